@@ -1,0 +1,48 @@
+"""The exceptions kvbridge raises, in one tree.
+
+    KVBridgeError
+    ├── LayoutError(ValueError)        an invalid parallel layout or model geometry
+    ├── IncompatiblePeerError          a handshake with a peer whose KV cannot be read as ours
+    ├── ProtocolError                  a malformed, truncated or unknown wire message
+    ├── TransferError                  a NIXL transfer failed or its peer vanished
+    │   └── TransferTimeout            a transfer or handshake did not finish in time
+    └── RequestParamsError(ValueError) bad kv_transfer_params from a client
+
+Every message names the field that is wrong and, where there are two sides, both values.
+"""
+
+from __future__ import annotations
+
+
+class KVBridgeError(Exception):
+    """Base of every error kvbridge raises on purpose."""
+
+
+class LayoutError(KVBridgeError, ValueError):
+    """An invalid parallel layout, rank or model geometry."""
+
+
+class IncompatiblePeerError(KVBridgeError):
+    """The peer's KV cache cannot be read as ours: the message names the field and both values."""
+
+    def __init__(self, field: str, ours: object, theirs: object) -> None:
+        self.field = field
+        self.ours = ours
+        self.theirs = theirs
+        super().__init__(f"incompatible peer: {field} is {ours!r} here but {theirs!r} on the peer")
+
+
+class ProtocolError(KVBridgeError):
+    """A wire message that cannot be decoded or is not expected here."""
+
+
+class TransferError(KVBridgeError):
+    """A transfer failed: NIXL reported an error or the peer disconnected."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer or handshake did not complete within its deadline."""
+
+
+class RequestParamsError(KVBridgeError, ValueError):
+    """The kv_transfer_params of a request are missing fields or hold wrong values."""
