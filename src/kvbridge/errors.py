@@ -2,6 +2,7 @@
 
     KVBridgeError
     ├── LayoutError(ValueError)        an invalid parallel layout or model geometry
+    ├── ConfigError(ValueError)        an invalid kv_connector_extra_config entry
     ├── IncompatiblePeerError          a handshake with a peer whose KV cannot be read as ours
     ├── ProtocolError                  a malformed, truncated or unknown wire message
     ├── TransferError                  a NIXL transfer failed or its peer vanished
@@ -20,6 +21,10 @@ class KVBridgeError(Exception):
 
 class LayoutError(KVBridgeError, ValueError):
     """An invalid parallel layout, rank or model geometry."""
+
+
+class ConfigError(KVBridgeError, ValueError):
+    """An invalid configuration value: the message names the key."""
 
 
 class IncompatiblePeerError(KVBridgeError):

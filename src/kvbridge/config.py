@@ -1,0 +1,58 @@
+"""kvbridge's configuration: one typed struct, read from vLLM's `kv_connector_extra_config` at the edge.
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.vllm",
+                           "kv_role": "kv_producer", "kv_connector_extra_config": {"lease_s": 30}}'
+
+Unknown keys are refused (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from kvbridge.errors import ConfigError
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    side_channel_host: str = "127.0.0.1"
+    """Address the prefill workers' side channels bind to (0.0.0.0 to accept other hosts)."""
+
+    advertise_host: str | None = None
+    """Address put in kv_transfer_params for decode instances to reach this prefill instance.
+    Default: side_channel_host, unless that is a wildcard (then VLLM_HOST_IP, which vLLM sets)."""
+
+    side_channel_port: Port = 5600
+    """Base port: the worker at (dp, pp, tp) listens on base + (dp*pp_size + pp)*tp_size + tp."""
+
+    lease_s: Seconds = 60.0
+    """How long a prefill instance holds a finished request's blocks for decode readers before freeing them."""
+
+    handshake_timeout_s: Seconds = 5.0
+    """Per attempt, for fetching a prefill worker's handshake over the side channel."""
+
+    handshake_retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 2
+    """Further attempts after a handshake attempt times out."""
+
+    transfer_timeout_s: Seconds = 60.0
+    """A request's reads that have not all completed by then fail (and follow kv_load_failure_policy)."""
+
+    ucx_tls: str = "self,sm,cma,tcp"
+    """UCX transports (UCX_TLS) unless the environment sets UCX_TLS. Across hosts add rc/ud for RDMA."""
+
+    ucx_net_devices: str | None = "lo"
+    """UCX network devices (UCX_NET_DEVICES) unless the environment sets it; None lets UCX choose."""
+
+    kv_layout: str | None = None
+    """A vLLM KV cache layout to ask for ("NHD" or "HND"); None asks HND only when TP sizes may differ."""
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> BridgeConfig:
+        try:
+            return msgspec.convert(dict(extra or {}), cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
