@@ -324,6 +324,8 @@ class Notify(_Message, tag="notify", kw_only=True):
     request_id: str
     engine_id: str
     worker: Worker
+    expected: Positive = 1
+    """How many notifications the prefill worker gets for this request in all (one per decode worker)."""
 
 
 class Abort(_Message, tag="abort", kw_only=True):

@@ -1,0 +1,265 @@
+"""A decode worker's runtime: fetch prefill workers' handshakes, read a request's KV, tell the readers' peers.
+
+One transfer thread owns the NIXL transport; the engine's step thread only calls `load` and `results`.
+Per request the thread connects to every worker of the prefill engine (cached per engine), computes the
+descriptors of the plan, posts one READ per prefill worker it reads from and a bare notification to the
+others (every prefill worker must learn that this decode worker is done, or it would hold the blocks until
+its lease expires), then polls the READs with backoff. Failures and timeouts become failed ids; nothing here
+raises into the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge import wire
+from kvbridge.config import BridgeConfig
+from kvbridge.descriptors import Descriptors, worker_descriptors
+from kvbridge.errors import KVBridgeError
+from kvbridge.identity import WorkerIdentity
+from kvbridge.memory import WorkerMemory
+from kvbridge.params import PrefillDone
+from kvbridge.plan import TransferPlan, make_plan
+from kvbridge.prefill_worker import transport_config
+from kvbridge.side_channel import fetch_handshake, side_channel_port
+from kvbridge.topology import WorkerRank
+from kvbridge.transport import Backoff, MemType, NixlTransport, Transfer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Read `remote_blocks` of a prefill request into `local_blocks`; `report` False: only notify the prefill
+    side (the request is gone here, e.g. aborted before it was scheduled)."""
+
+    request_id: str
+    source: PrefillDone
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+    report: bool = True
+
+
+@dataclass
+class _Peer:
+    agent: str
+    memory: WorkerMemory
+
+
+@dataclass
+class _Active:
+    job: LoadJob
+    transfers: list[Transfer]
+    deadline: float
+    started: float
+    nbytes: int
+    descriptors: int
+
+
+@dataclass
+class TransferStats:
+    """Counters since the last `results()` call."""
+
+    transfers: int = 0
+    failures: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: list[float] = field(default_factory=list)
+
+
+class DecodeWorker:
+    def __init__(
+        self, identity: WorkerIdentity, memory: WorkerMemory, config: BridgeConfig, mem_type: MemType = "DRAM"
+    ) -> None:
+        self.identity = identity
+        self.memory = memory
+        self.config = config
+        self.mem_type = mem_type
+        self.transport = NixlTransport(identity.agent_name, transport_config(config))
+        self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
+        self._stats = TransferStats()
+        self._engines: dict[tuple[str, int], dict[WorkerRank, _Peer]] = {}
+        self._plans: dict[str, TransferPlan] = {}
+        self._active: list[_Active] = []
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> DecodeWorker:
+        self.transport.start()
+        self.transport.register(self.memory, self.mem_type)
+        self._thread = threading.Thread(target=self._run, name=f"kvbridge-decode-{self.identity.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def load(self, job: LoadJob) -> None:
+        self._jobs.put(job)
+
+    def results(self) -> tuple[set[str], set[str], TransferStats]:
+        """(ids loaded, ids that failed, stats) since the last call; failed ids are not in the loaded set."""
+        with self._lock:
+            done, self._done = self._done, set()
+            failed, self._failed = self._failed, set()
+            stats, self._stats = self._stats, TransferStats()
+        return done, failed, stats
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.transport.close()
+
+    # -- transfer thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = Backoff(first_s=50e-6, cap_s=2e-3)
+        while True:
+            try:
+                job = self._jobs.get(timeout=None if not self._active else backoff.step())
+            except queue.Empty:
+                job = False
+            if job is None:
+                return
+            if job:
+                backoff.reset()
+                self._start(job)
+                continue
+            self._poll()
+
+    def _finish(self, job: LoadJob, ok: bool, error: str = "") -> None:
+        if not ok:
+            logger.warning("kvbridge decode %s: load of %s failed: %s", self.identity, job.request_id, error)
+        if not job.report:
+            return
+        with self._lock:
+            (self._done if ok else self._failed).add(job.request_id)
+            if not ok:
+                self._stats.failures += 1
+
+    def _start(self, job: LoadJob) -> None:
+        started = time.monotonic()
+        try:
+            peers = self._connect(job.source)
+            plan = self._plan(job.source)
+            descs = self._descriptors(plan, peers, job)
+            note = wire.encode(
+                wire.Notify(
+                    request_id=job.source.remote_request_id,
+                    engine_id=self.identity.engine_id,
+                    worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
+                    expected=self.identity.layout.workers_per_engine,
+                )
+            )
+            transfers = [
+                self.transport.read(peer.agent, descs.get(rank, Descriptors.empty()), self.memory, peer.memory, note)
+                for rank, peer in peers.items()
+            ]
+        except KVBridgeError as exc:
+            self._forget(job.source)
+            self._finish(job, False, str(exc))
+            return
+        total = sum(len(d) for d in descs.values())
+        nbytes = sum(d.nbytes for d in descs.values())
+        active = _Active(job, transfers, started + self.config.transfer_timeout_s, started, nbytes, total)
+        self._active.append(active)
+        self._poll()
+
+    def _poll(self) -> None:
+        still = []
+        for active in self._active:
+            try:
+                done = all(self.transport.poll(t) for t in active.transfers)
+            except KVBridgeError as exc:
+                self._release(active)
+                self._forget(active.job.source)
+                self._finish(active.job, False, str(exc))
+                continue
+            if done:
+                self._release(active)
+                elapsed = time.monotonic() - active.started
+                with self._lock:
+                    self._stats.transfers += 1
+                    self._stats.bytes += active.nbytes
+                    self._stats.descriptors += active.descriptors
+                    self._stats.seconds.append(elapsed)
+                self._finish(active.job, True)
+            elif time.monotonic() > active.deadline:
+                self._release(active)
+                self._finish(active.job, False, f"not done after {self.config.transfer_timeout_s} s")
+            else:
+                still.append(active)
+        self._active = still
+
+    def _release(self, active: _Active) -> None:
+        for t in active.transfers:
+            try:
+                self.transport.release(t)
+            except KVBridgeError as exc:
+                logger.warning("kvbridge decode %s: %s", self.identity, exc)
+
+    def _connect(self, source: PrefillDone) -> dict[WorkerRank, _Peer]:
+        key = (source.remote_engine_id, source.remote_dp_rank)
+        if key in self._engines:
+            return self._engines[key]
+        layout = source.layout
+        ident = self.identity
+        peers = {}
+        for rank in layout.workers():
+            port = side_channel_port(source.remote_port, layout, source.remote_dp_rank, rank)
+            request = wire.HandshakeRequest.build(
+                ident.engine_id,
+                ident.layout,
+                ident.dp_rank,
+                ident.rank,
+                ident.geometry,
+                ident.kv_layout,
+                self.memory,
+                target=(source.remote_dp_rank, rank),
+            )
+            reply = fetch_handshake(
+                source.remote_host,
+                port,
+                request,
+                timeout_s=self.config.handshake_timeout_s,
+                retries=self.config.handshake_retries,
+            )
+            agent = self.transport.add_peer(reply.agent_metadata)
+            peers[rank] = _Peer(agent, reply.memory.to_core())
+        self._engines[key] = peers
+        logger.info("kvbridge decode %s connected to %d workers of %s", ident, len(peers), source.remote_engine_id)
+        return peers
+
+    def _forget(self, source: PrefillDone) -> None:
+        """Drop a prefill engine's cached connection after a failure, so the next request handshakes again
+        (a restarted prefill instance has new agents and memory)."""
+        peers = self._engines.pop((source.remote_engine_id, source.remote_dp_rank), None)
+        for peer in (peers or {}).values():
+            with contextlib.suppress(KVBridgeError):
+                self.transport.remove_peer(peer.agent)
+
+    def _plan(self, source: PrefillDone) -> TransferPlan:
+        plan = self._plans.get(source.remote_layout)
+        if plan is None:
+            plan = make_plan(source.layout, self.identity.layout, self.identity.geometry)
+            self._plans[source.remote_layout] = plan
+        return plan
+
+    def _descriptors(self, plan: TransferPlan, peers: dict[WorkerRank, _Peer], job: LoadJob) -> dict:
+        if not job.local_blocks:
+            return {}
+        return worker_descriptors(
+            plan,
+            self.identity.rank,
+            self.memory,
+            {rank: peer.memory for rank, peer in peers.items()},
+            np.asarray(job.remote_blocks, dtype=np.int64),
+            np.asarray(job.local_blocks, dtype=np.int64),
+        )

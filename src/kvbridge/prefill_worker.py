@@ -1,0 +1,138 @@
+"""A prefill worker's runtime: publish its KV over the side channel, hold finished requests for readers.
+
+Threads: the side-channel server answers handshakes (no NIXL calls there); one progress thread owns the NIXL
+transport (NIXL agents are not locked): it polls notifications with backoff, which also lets readers' UCX
+connections complete, and turns completed or expired leases into finished ids. The engine's step thread only
+calls `hold` and `finished`, which touch a lock-protected inbox and outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvbridge import wire
+from kvbridge.config import BridgeConfig
+from kvbridge.errors import ProtocolError, TransferError
+from kvbridge.identity import WorkerIdentity
+from kvbridge.leases import LeaseBook
+from kvbridge.memory import WorkerMemory
+from kvbridge.side_channel import SideChannelServer, handshake_handler, side_channel_port
+from kvbridge.transport import Backoff, MemType, NixlTransport, TransportConfig
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        identity: WorkerIdentity,
+        memory: WorkerMemory,
+        config: BridgeConfig,
+        mem_type: MemType = "DRAM",
+        clock=time.monotonic,
+    ) -> None:
+        self.identity = identity
+        self.memory = memory
+        self.config = config
+        self.mem_type = mem_type
+        self.clock = clock
+        self.port = side_channel_port(config.side_channel_port, identity.layout, identity.dp_rank, identity.rank)
+        self.transport = NixlTransport(identity.agent_name, transport_config(config))
+        self._leases = LeaseBook(config.lease_s)
+        self._lock = threading.Lock()
+        self._to_hold: list[str] = []
+        self._finished: set[str] = set()
+        self._expired_new = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._server: SideChannelServer | None = None
+
+    def start(self) -> PrefillWorker:
+        self.transport.start()
+        self.transport.register(self.memory, self.mem_type)
+        ident = self.identity
+        reply = wire.HandshakeReply.build(
+            ident.engine_id,
+            ident.layout,
+            ident.dp_rank,
+            ident.rank,
+            ident.geometry,
+            ident.kv_layout,
+            self.transport.name,
+            self.transport.agent_metadata(),
+            self.memory,
+        )
+        self._server = SideChannelServer(self.port, handshake_handler(reply), host=self.config.side_channel_host)
+        self._server.start()
+        self._thread = threading.Thread(target=self._run, name=f"kvbridge-prefill-{ident.rank}", daemon=True)
+        self._thread.start()
+        logger.info("kvbridge prefill worker %s serving handshakes on port %d", ident, self.port)
+        return self
+
+    def hold(self, request_id: str) -> None:
+        """Keep `request_id`'s blocks until its readers are done or its lease expires."""
+        with self._lock:
+            self._to_hold.append(request_id)
+        self._wake.set()
+
+    def finished(self) -> tuple[set[str], int]:
+        """(ids whose blocks may be freed now, leases expired since the last call)."""
+        with self._lock:
+            out, self._finished = self._finished, set()
+            expired, self._expired_new = self._expired_new, 0
+        return out, expired
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._server is not None:
+            self._server.close()
+        self.transport.close()
+
+    def _run(self) -> None:
+        backoff = Backoff(first_s=100e-6, cap_s=5e-3)
+        while not self._stop.is_set():
+            now = self.clock()
+            active = False
+            with self._lock:
+                holds, self._to_hold = self._to_hold, []
+            for request_id in holds:
+                self._leases.hold(request_id, now)
+                active = True
+            try:
+                notes = self.transport.notifications()
+            except TransferError as exc:
+                logger.warning("kvbridge prefill %s: %s", self.identity, exc)
+                notes = {}
+            for agent, messages in notes.items():
+                for raw in messages:
+                    active = True
+                    try:
+                        msg = wire.decode(raw)
+                    except ProtocolError as exc:
+                        logger.warning("kvbridge prefill %s: bad notification from %s: %s", self.identity, agent, exc)
+                        continue
+                    if isinstance(msg, wire.Notify):
+                        self._leases.notified(msg.request_id, f"{msg.engine_id}/{msg.worker}", msg.expected, now)
+            done, expired = self._leases.due(now)
+            if expired:
+                logger.warning("kvbridge prefill %s: lease expired for %s", self.identity, sorted(expired))
+            if done or expired:
+                with self._lock:
+                    self._finished |= done | expired
+                    self._expired_new += len(expired)
+            if active:
+                backoff.reset()
+            # Wait for work; poll quickly while requests are held (readers need our progress).
+            delay = backoff.step() if self._leases.held else 0.05
+            self._wake.wait(delay)
+            self._wake.clear()
+
+
+def transport_config(config: BridgeConfig) -> TransportConfig:
+    return TransportConfig(ucx_tls=config.ucx_tls, ucx_net_devices=config.ucx_net_devices)

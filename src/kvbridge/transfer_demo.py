@@ -1,0 +1,215 @@
+"""Disaggregated KV transfer without vLLM: real worker processes, real side channel, real NIXL.
+
+One process per prefill worker and one per decode worker, each with its own NIXL agent. Every process
+derives the same reference KV for the whole model from a seed; prefill workers fill their stage's layers and
+their heads into vLLM's CPU layout, the decode workers handshake, read one request's scattered blocks through
+the plan and check every byte they hold against the reference. The prefill workers report when every reader
+has notified them. This is what the connector does inside vLLM, minus vLLM.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+from dataclasses import dataclass
+
+from kvbridge.config import BridgeConfig
+from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
+
+_LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "self,sm,cma,tcp", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    prefill: ParallelLayout
+    decode: ParallelLayout
+    geometry: KVGeometry
+    num_blocks: int
+    request_blocks: int
+    seed: int = 0
+
+    def blocks(self) -> tuple[list[int], list[int]]:
+        """A request's scattered block ids on each side (seeded, never adjacent by construction)."""
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed)
+        src = rng.permutation(self.num_blocks)[: self.request_blocks]
+        dst = rng.permutation(self.num_blocks)[: self.request_blocks]
+        return src.tolist(), dst.tolist()
+
+
+def _reference(scenario: Scenario):
+    import torch
+
+    g = scenario.geometry
+    gen = torch.Generator().manual_seed(scenario.seed)
+    shape = (g.num_layers, scenario.num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size)
+    return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+
+def _worker_kv(scenario: Scenario, layout: ParallelLayout, rank: WorkerRank, fill):
+    """A worker's KV in vLLM's CPU layout (LBHNC), its memory description, its layers and heads."""
+    import torch
+
+    from kvbridge.memory import synthesize_memory
+
+    g = scenario.geometry
+    layers = layout.stage_layers(g.num_layers, rank.pp)
+    heads = layout.kv_heads(g.num_kv_heads, rank.tp)
+    kv = torch.empty((len(layers), scenario.num_blocks, len(heads), g.block_size, 2 * g.head_size))
+    if fill is not None:
+        kv.copy_(fill[layers.start : layers.stop, :, heads.start : heads.stop])
+    else:
+        kv.fill_(float("nan"))
+    memory = synthesize_memory("LBHNC", g, list(layers), len(heads), scenario.num_blocks, kv.data_ptr())
+    return kv, memory, layers, heads
+
+
+def _prefill_main(scenario, rank, config, engine_id, request_id, ready, finished, stop):
+    os.environ.update(_LOOPBACK_ENV)
+    from kvbridge.identity import WorkerIdentity
+    from kvbridge.prefill_worker import PrefillWorker
+
+    kv, memory, _, _ = _worker_kv(scenario, scenario.prefill, rank, _reference(scenario))
+    ident = WorkerIdentity(engine_id, scenario.prefill, 0, rank, scenario.geometry)
+    worker = PrefillWorker(ident, memory, config).start()
+    try:
+        worker.hold(request_id)
+        ready.put(("ready", str(rank)))
+        start = time.monotonic()
+        while not stop.is_set():
+            ids, expired = worker.finished()
+            if ids:
+                finished.put((str(rank), sorted(ids), expired, time.monotonic() - start))
+            time.sleep(0.01)
+    finally:
+        worker.close()
+        del kv
+
+
+def _decode_main(scenario, rank, config, source, results):
+    os.environ.update(_LOOPBACK_ENV)
+    import torch
+
+    from kvbridge.decode_worker import DecodeWorker, LoadJob
+    from kvbridge.identity import WorkerIdentity
+
+    kv, memory, layers, heads = _worker_kv(scenario, scenario.decode, rank, None)
+    ident = WorkerIdentity("demo-decode", scenario.decode, 0, rank, scenario.geometry)
+    worker = DecodeWorker(ident, memory, config).start()
+    try:
+        src, dst = scenario.blocks()
+        t0 = time.monotonic()
+        worker.load(LoadJob("decode-req-0", source, tuple(dst), tuple(src)))
+        done: set[str] = set()
+        failed: set[str] = set()
+        stats = None
+        deadline = t0 + 60
+        while not (done or failed) and time.monotonic() < deadline:
+            d, f, s = worker.results()
+            done |= d
+            failed |= f
+            if s.transfers or s.failures:
+                stats = s
+            time.sleep(0.001)
+        elapsed = time.monotonic() - t0
+        ref = _reference(scenario)
+        want = ref[layers.start : layers.stop][:, src][:, :, heads.start : heads.stop]
+        got = kv[:, dst]
+        exact = bool(done) and torch.equal(got, want)
+        untouched = [b for b in range(scenario.num_blocks) if b not in set(dst)]
+        clean = bool(torch.isnan(kv[:, untouched]).all()) if untouched else True
+        results.put(
+            {
+                "decode_worker": str(rank),
+                "ok": bool(done),
+                "failed": bool(failed),
+                "exact": exact,
+                "untouched_clean": clean,
+                "bytes": stats.bytes if stats else 0,
+                "descriptors": stats.descriptors if stats else 0,
+                "transfer_s": stats.seconds[0] if stats and stats.seconds else None,
+                "elapsed_s": elapsed,
+            }
+        )
+    finally:
+        worker.close()
+
+
+def free_base_port(count: int) -> int:
+    """A base port with `count` free ports after it (best effort, loopback)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range on loopback")
+
+
+def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
+    """Run one request through real processes; return per-worker results and the prefill completions."""
+    from kvbridge.params import PrefillDone
+
+    ctx = mp.get_context("spawn")
+    base = free_base_port(scenario.prefill.workers_per_engine)
+    config = BridgeConfig(side_channel_port=base, lease_s=30.0, handshake_timeout_s=5.0, transfer_timeout_s=60.0)
+    ready, finished, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    stop = ctx.Event()
+    request_id = "prefill-req-0"
+    src, _ = scenario.blocks()
+    source = PrefillDone(
+        remote_engine_id="demo-prefill",
+        remote_request_id=request_id,
+        remote_block_ids=src,
+        remote_host="127.0.0.1",
+        remote_port=base,
+        remote_layout=str(scenario.prefill),
+        tp_size=scenario.prefill.tp,
+        pp_size=scenario.prefill.pp,
+    )
+    procs: list = []
+    try:
+        for rank in scenario.prefill.workers():
+            p = ctx.Process(
+                target=_prefill_main,
+                args=(scenario, rank, config, "demo-prefill", request_id, ready, finished, stop),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout_s
+        for _ in scenario.prefill.workers():
+            ready.get(timeout=max(1.0, deadline - time.monotonic()))
+        for rank in scenario.decode.workers():
+            p = ctx.Process(target=_decode_main, args=(scenario, rank, config, source, results), daemon=True)
+            p.start()
+            procs.append(p)
+        decoded = [results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in scenario.decode.workers()]
+        released = []
+        while len(released) < scenario.prefill.workers_per_engine and time.monotonic() < deadline:
+            try:
+                released.append(finished.get(timeout=1.0))
+            except queue.Empty:
+                continue
+        return {"decode": sorted(decoded, key=lambda r: r["decode_worker"]), "prefill_released": released}
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -1,0 +1,41 @@
+"""Whole transfers between real worker processes: side-channel handshakes, NIXL READs, notifications.
+
+One process per worker on both sides; every decode worker checks every byte it holds against the seeded
+reference, bytes of other blocks stay untouched, and every prefill worker (read or not) is released.
+"""
+
+import pytest
+
+from kvbridge.topology import KVGeometry, ParallelLayout
+from kvbridge.transfer_demo import Scenario, run_transfer
+
+PAIRS = [
+    ("pp=2,tp=1", "pp=1,tp=2", 4),  # the pair vLLM's NixlConnector fails on
+    ("pp=1,tp=2", "pp=2,tp=1", 4),  # decode-side PP
+    ("pp=2,tp=1", "pp=2,tp=1", 4),  # PP on both sides
+    ("pp=1,tp=1", "pp=2,tp=2", 4),
+    ("pp=1,tp=4", "pp=1,tp=1", 2),  # replicated heads on the prefill side: two workers are not read
+]
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize(("prefill", "decode", "heads"), PAIRS)
+def test_request_moves_exactly(prefill, decode, heads):
+    scenario = Scenario(
+        ParallelLayout.parse(prefill),
+        ParallelLayout.parse(decode),
+        KVGeometry(num_layers=4, num_kv_heads=heads, head_size=32, dtype="float32", block_size=16),
+        num_blocks=48,
+        request_blocks=9,
+        seed=hash((prefill, decode)) % 1000,
+    )
+    result = run_transfer(scenario, timeout_s=90)
+    assert len(result["decode"]) == scenario.decode.workers_per_engine
+    for worker in result["decode"]:
+        assert worker["ok"] and not worker["failed"], worker
+        assert worker["exact"], f"{worker['decode_worker']} holds wrong bytes"
+        assert worker["untouched_clean"], f"{worker['decode_worker']} wrote outside the request's blocks"
+    released = {rank: ids for rank, ids, expired, _ in result["prefill_released"]}
+    assert set(released) == {str(w) for w in scenario.prefill.workers()}
+    assert all(ids == ["prefill-req-0"] for ids in released.values())
+    assert all(expired == 0 for _, _, expired, _ in result["prefill_released"])
