@@ -20,9 +20,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         description="Show, for a prefill and a decode layout, which decode worker reads which layers and "
         "KV heads from which prefill worker, with bytes per token and descriptor counts.",
     )
-    p.add_argument(
-        "--prefill", required=True, help="prefill layout, e.g. pp=2,tp=1 (also dp=N, partition=a:b)"
-    )
+    p.add_argument("--prefill", required=True, help="prefill layout, e.g. pp=2,tp=1 (also dp=N, partition=a:b)")
     p.add_argument("--decode", required=True, help="decode layout, e.g. pp=1,tp=2")
     p.add_argument("--num-layers", type=int, required=True)
     p.add_argument("--num-kv-heads", type=int, required=True)

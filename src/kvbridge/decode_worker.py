@@ -82,7 +82,8 @@ class DecodeWorker:
         self.memory = memory
         self.config = config
         self.mem_type = mem_type
-        self.transport = NixlTransport(identity.agent_name, transport_config(config))
+        # A kv_both worker also runs a PrefillWorker: agent names must differ.
+        self.transport = NixlTransport(identity.agent_name + "-reader", transport_config(config))
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -91,6 +92,7 @@ class DecodeWorker:
         self._engines: dict[tuple[str, int], dict[WorkerRank, _Peer]] = {}
         self._plans: dict[str, TransferPlan] = {}
         self._active: list[_Active] = []
+        self._nixl = threading.Lock()  # the transport and _active: one caller at a time
         self._thread: threading.Thread | None = None
 
     def start(self) -> DecodeWorker:
@@ -104,7 +106,15 @@ class DecodeWorker:
         self._jobs.put(job)
 
     def results(self) -> tuple[set[str], set[str], TransferStats]:
-        """(ids loaded, ids that failed, stats) since the last call; failed ids are not in the loaded set."""
+        """(ids loaded, ids that failed, stats) since the last call; failed ids are not in the loaded set.
+
+        Polls the active reads too (unless the transfer thread is busy): vLLM steps continuously while a load
+        is pending, so completions are seen at once even when the transfer thread is starved of CPU."""
+        if self._active and self._nixl.acquire(blocking=False):
+            try:
+                self._poll()
+            finally:
+                self._nixl.release()
         with self._lock:
             done, self._done = self._done, set()
             failed, self._failed = self._failed, set()
@@ -128,13 +138,15 @@ class DecodeWorker:
                 job = False
             if job is None:
                 return
-            if job:
-                backoff.reset()
-                self._start(job)
-                continue
-            self._poll()
+            with self._nixl:
+                if job:
+                    backoff.reset()
+                    self._start(job)
+                else:
+                    self._poll()
 
     def _finish(self, job: LoadJob, ok: bool, error: str = "") -> None:
+        logger.info("kvbridge decode %s: %s %s", self.identity.rank, job.request_id, "loaded" if ok else "failed")
         if not ok:
             logger.warning("kvbridge decode %s: load of %s failed: %s", self.identity, job.request_id, error)
         if not job.report:
@@ -166,6 +178,14 @@ class DecodeWorker:
             self._forget(job.source)
             self._finish(job, False, str(exc))
             return
+        logger.info(
+            "kvbridge decode %s: %s reading %d blocks from %d workers (%.1f ms to post)",
+            self.identity.rank,
+            job.request_id,
+            len(job.local_blocks),
+            len(transfers),
+            1000 * (time.monotonic() - started),
+        )
         total = sum(len(d) for d in descs.values())
         nbytes = sum(d.nbytes for d in descs.values())
         active = _Active(job, transfers, started + self.config.transfer_timeout_s, started, nbytes, total)

@@ -55,12 +55,7 @@ class Descriptors:
         order = np.lexsort((self.src_addr, self.src_region))
         s, d, n = self.src_addr[order], self.dst_addr[order], self.length[order]
         sr, dr = self.src_region[order], self.dst_region[order]
-        joins = (
-            (s[1:] == s[:-1] + n[:-1])
-            & (d[1:] == d[:-1] + n[:-1])
-            & (sr[1:] == sr[:-1])
-            & (dr[1:] == dr[:-1])
-        )
+        joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1]) & (sr[1:] == sr[:-1]) & (dr[1:] == dr[:-1])
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
         return Descriptors(s[starts], d[starts], np.add.reduceat(n, starts), sr[starts], dr[starts])
 
@@ -72,9 +67,7 @@ def check_pair(src: LayerKV, dst: LayerKV) -> None:
     """Raise IncompatiblePeerError if the two layers' pages cannot be copied byte for byte."""
     for field in ("block_size", "row_bytes", "num_planes"):
         if getattr(src, field) != getattr(dst, field):
-            raise IncompatiblePeerError(
-                f"layer {src.layer} {field}", getattr(dst, field), getattr(src, field)
-            )
+            raise IncompatiblePeerError(f"layer {src.layer} {field}", getattr(dst, field), getattr(src, field))
 
 
 def _check_blocks(name: str, blocks: np.ndarray, num_blocks: int) -> None:

@@ -161,9 +161,7 @@ def layer_from_strides(
 
 def layout_nbytes(geometry: KVGeometry, num_layers: int, num_heads: int, num_blocks: int) -> int:
     """Bytes of one worker's KV buffer holding `num_layers` layers of `num_heads` heads."""
-    return (
-        num_layers * num_blocks * num_heads * geometry.block_size * 2 * geometry.head_size * geometry.itemsize
-    )
+    return num_layers * num_blocks * num_heads * geometry.block_size * 2 * geometry.head_size * geometry.itemsize
 
 
 def synthesize_memory(

@@ -92,7 +92,6 @@ def parse_prefill_done(params: dict[str, Any]) -> PrefillDone:
         )
     if done.kvbridge_protocol != PROTOCOL_VERSION:
         raise RequestParamsError(
-            f"kv_transfer_params: kvbridge_protocol is {done.kvbridge_protocol} but this side speaks "
-            f"{PROTOCOL_VERSION}"
+            f"kv_transfer_params: kvbridge_protocol is {done.kvbridge_protocol} but this side speaks {PROTOCOL_VERSION}"
         )
     return done

@@ -97,8 +97,7 @@ def plan_text(plan: TransferPlan, costs: list[ReadCost], kv_layout: str, tokens:
     idle = [str(w) for w in plan.prefill.workers() if not plan.readers_of(w)]
     lines += [
         "",
-        f"{len(costs)} reads; {total:,} bytes per token in all "
-        f"({total * tokens / 2**20:,.1f} MiB for {tokens} tokens)",
+        f"{len(costs)} reads; {total:,} bytes per token in all ({total * tokens / 2**20:,.1f} MiB for {tokens} tokens)",
     ]
     if idle:
         lines.append(f"prefill workers nobody reads from (replicas): {', '.join(idle)}")

@@ -1,9 +1,10 @@
 """A prefill worker's runtime: publish its KV over the side channel, hold finished requests for readers.
 
-Threads: the side-channel server answers handshakes (no NIXL calls there); one progress thread owns the NIXL
-transport (NIXL agents are not locked): it polls notifications with backoff, which also lets readers' UCX
-connections complete, and turns completed or expired leases into finished ids. The engine's step thread only
-calls `hold` and `finished`, which touch a lock-protected inbox and outbox.
+Threads: the side-channel server answers handshakes (no NIXL calls there). Progress (polling NIXL
+notifications, which also lets readers' UCX connections complete, and turning completed or expired leases into
+finished ids) runs under one lock, from two places: a background thread that polls with backoff, and the
+engine's step thread each time it asks for finished ids. vLLM steps continuously while requests are held, and on
+a loaded machine a background thread can starve for seconds; the step path then keeps transfers moving.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class PrefillWorker:
         self._to_hold: list[str] = []
         self._finished: set[str] = set()
         self._expired_new = 0
+        self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
+        self._backoff = Backoff(first_s=100e-6, cap_s=5e-3)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,7 +82,13 @@ class PrefillWorker:
         self._wake.set()
 
     def finished(self) -> tuple[set[str], int]:
-        """(ids whose blocks may be freed now, leases expired since the last call)."""
+        """(ids whose blocks may be freed now, leases expired since the last call). Makes progress too, unless
+        the background thread is doing so right now."""
+        if self._progress_lock.acquire(blocking=False):
+            try:
+                self._progress()
+            finally:
+                self._progress_lock.release()
         with self._lock:
             out, self._finished = self._finished, set()
             expired, self._expired_new = self._expired_new, 0
@@ -95,43 +104,48 @@ class PrefillWorker:
         self.transport.close()
 
     def _run(self) -> None:
-        backoff = Backoff(first_s=100e-6, cap_s=5e-3)
         while not self._stop.is_set():
-            now = self.clock()
-            active = False
-            with self._lock:
-                holds, self._to_hold = self._to_hold, []
-            for request_id in holds:
-                self._leases.hold(request_id, now)
-                active = True
-            try:
-                notes = self.transport.notifications()
-            except TransferError as exc:
-                logger.warning("kvbridge prefill %s: %s", self.identity, exc)
-                notes = {}
-            for agent, messages in notes.items():
-                for raw in messages:
-                    active = True
-                    try:
-                        msg = wire.decode(raw)
-                    except ProtocolError as exc:
-                        logger.warning("kvbridge prefill %s: bad notification from %s: %s", self.identity, agent, exc)
-                        continue
-                    if isinstance(msg, wire.Notify):
-                        self._leases.notified(msg.request_id, f"{msg.engine_id}/{msg.worker}", msg.expected, now)
-            done, expired = self._leases.due(now)
-            if expired:
-                logger.warning("kvbridge prefill %s: lease expired for %s", self.identity, sorted(expired))
-            if done or expired:
-                with self._lock:
-                    self._finished |= done | expired
-                    self._expired_new += len(expired)
+            with self._progress_lock:
+                active = self._progress()
             if active:
-                backoff.reset()
+                self._backoff.reset()
             # Wait for work; poll quickly while requests are held (readers need our progress).
-            delay = backoff.step() if self._leases.held else 0.05
+            delay = self._backoff.step() if self._leases.held else 0.05
             self._wake.wait(delay)
             self._wake.clear()
+
+    def _progress(self) -> bool:
+        """One round of holds, notifications and lease accounting; True if anything happened."""
+        now = self.clock()
+        active = False
+        with self._lock:
+            holds, self._to_hold = self._to_hold, []
+        for request_id in holds:
+            self._leases.hold(request_id, now)
+            active = True
+        try:
+            notes = self.transport.notifications()
+        except TransferError as exc:
+            logger.warning("kvbridge prefill %s: %s", self.identity, exc)
+            notes = {}
+        for agent, messages in notes.items():
+            for raw in messages:
+                active = True
+                try:
+                    msg = wire.decode(raw)
+                except ProtocolError as exc:
+                    logger.warning("kvbridge prefill %s: bad notification from %s: %s", self.identity, agent, exc)
+                    continue
+                if isinstance(msg, wire.Notify):
+                    self._leases.notified(msg.request_id, f"{msg.engine_id}/{msg.worker}", msg.expected, now)
+        done, expired = self._leases.due(now)
+        if expired:
+            logger.warning("kvbridge prefill %s: lease expired for %s", self.identity, sorted(expired))
+        if done or expired:
+            with self._lock:
+                self._finished |= done | expired
+                self._expired_new += len(expired)
+        return active
 
 
 def transport_config(config: BridgeConfig) -> TransportConfig:

@@ -235,9 +235,7 @@ class VllmServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def _fail(self, why: str) -> ServerError:
-        return ServerError(
-            f"{self.name} ({self.url}, log {self.log_path}): {why}\n--- log tail ---\n{self.log_tail()}"
-        )
+        return ServerError(f"{self.name} ({self.url}, log {self.log_path}): {why}\n--- log tail ---\n{self.log_tail()}")
 
     def is_healthy(self, timeout: float = 2.0) -> bool:
         try:

@@ -240,9 +240,7 @@ class SideChannelServer:
                 self._stop.wait(self.poll_interval_s)
 
 
-def exchange(
-    host: str, port: int, message: wire.Message, *, timeout_s: float = 2.0, retries: int = 2
-) -> wire.Message:
+def exchange(host: str, port: int, message: wire.Message, *, timeout_s: float = 2.0, retries: int = 2) -> wire.Message:
     """Send `message` to the side channel at (host, port) and return its answer.
 
     Each of the `1 + retries` attempts uses a fresh DEALER socket and waits at most `timeout_s`, so this

@@ -107,9 +107,7 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kvbridge.tiny_model", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.tiny_model", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)

@@ -148,9 +148,7 @@ class ParallelLayout:
             raise LayoutError(f"pp={self.pp} is larger than the model's {geometry.num_layers} layers")
         heads = geometry.num_kv_heads
         if heads % self.tp and self.tp % heads:
-            raise LayoutError(
-                f"tp={self.tp} must divide the {heads} KV heads or be a multiple of them (vLLM's rule)"
-            )
+            raise LayoutError(f"tp={self.tp} must divide the {heads} KV heads or be a multiple of them (vLLM's rule)")
 
     def stage_layers(self, num_layers: int, stage: int) -> range:
         """Global layer ids of pipeline stage `stage` (vLLM's get_pp_indices)."""

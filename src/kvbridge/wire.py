@@ -111,9 +111,7 @@ class Geometry(_Struct, kw_only=True):
         )
 
     def to_core(self) -> topology.KVGeometry:
-        return topology.KVGeometry(
-            self.num_layers, self.num_kv_heads, self.head_size, self.dtype, self.block_size
-        )
+        return topology.KVGeometry(self.num_layers, self.num_kv_heads, self.head_size, self.dtype, self.block_size)
 
 
 class Region(_Struct, kw_only=True):
@@ -172,9 +170,7 @@ class Memory(_Struct, kw_only=True):
     @classmethod
     def from_core(cls, memory: mem.WorkerMemory) -> Memory:
         return cls(
-            regions=tuple(
-                Region(addr=r.addr, nbytes=r.nbytes, device_id=r.device_id) for r in memory.regions
-            ),
+            regions=tuple(Region(addr=r.addr, nbytes=r.nbytes, device_id=r.device_id) for r in memory.regions),
             layers=tuple(Layer.from_core(lk) for lk in memory.layers),
         )
 

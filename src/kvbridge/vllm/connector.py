@@ -1,0 +1,118 @@
+"""`KVBridgeConnector`: vLLM's KV connector interface, routed to the scheduler-side or worker-side half.
+
+Everything here is translation; the logic lives in `scheduler_side`, `worker_side` and the runtimes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvbridge.config import BridgeConfig
+from kvbridge.vllm.metadata import KVBridgeMetadata
+from kvbridge.vllm.stats import KVBridgeStats
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _log_like_vllm() -> None:
+    """kvbridge's log lines go where vLLM's go (vLLM configures only its own logger)."""
+    root = logging.getLogger("kvbridge")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s.%(msecs)03d [kvbridge] %(message)s", "%m-%d %H:%M:%S")
+        )
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
+        config = BridgeConfig.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvbridge.vllm.scheduler_side import SchedulerSide
+
+            self._scheduler = SchedulerSide(vllm_config, config)
+        else:
+            from kvbridge.vllm.worker_side import WorkerSide
+
+            self._worker = WorkerSide(vllm_config, config)
+
+    # -- scheduler side --------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVBridgeMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
+        """Handshakes go over kvbridge's own side channel, per worker; nothing to merge here."""
+
+    def get_finished_count(self) -> int | None:
+        return None  # every worker of every stage reports each id once
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
+
+    # -- worker side -------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBridgeMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._worker.transfer_results()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

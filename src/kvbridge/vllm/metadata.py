@@ -1,0 +1,21 @@
+"""What the scheduler-side connector sends to every worker each step (pickled by vLLM: keep it small)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvbridge.decode_worker import LoadJob
+
+
+@dataclass
+class KVBridgeMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    """Decode side: requests whose KV to read now."""
+
+    releases: list[LoadJob] = field(default_factory=list)
+    """Decode side: requests gone before they read (aborted): only tell the prefill side to free."""
+
+    holds: list[str] = field(default_factory=list)
+    """Prefill side: finished requests whose blocks stay held for decode readers."""

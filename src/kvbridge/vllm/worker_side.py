@@ -1,0 +1,100 @@
+"""The worker-side half of the connector (one per vLLM worker process): a thin translation to the runtimes.
+
+Prefill role: a `PrefillWorker` publishes this worker's KV and holds finished requests. Decode role: a
+`DecodeWorker` reads requests' KV in its own thread. Each step only moves ids and jobs between vLLM and them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvbridge.config import BridgeConfig
+from kvbridge.decode_worker import DecodeWorker
+from kvbridge.identity import WorkerIdentity
+from kvbridge.prefill_worker import PrefillWorker
+from kvbridge.torch_memory import memory_from_tensors, physical_order
+from kvbridge.vllm.metadata import KVBridgeMetadata
+from kvbridge.vllm.stats import KVBridgeStats
+from kvbridge.vllm.vllm_facts import engine_layout, geometry, worker_rank
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: VllmConfig, config: BridgeConfig) -> None:
+        kv = vllm_config.kv_transfer_config
+        self.vllm_config = vllm_config
+        self.config = config
+        self.engine_id = str(kv.engine_id)
+        self.is_producer = bool(kv.is_kv_producer)
+        self.is_consumer = bool(kv.is_kv_consumer)
+        self.prefill: PrefillWorker | None = None
+        self.decode: DecodeWorker | None = None
+        self.stats = KVBridgeStats()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        memory = memory_from_tensors(kv_caches, extract_layer_index)
+        first = next(iter(kv_caches.values()))
+        layout, dp_rank = engine_layout(self.vllm_config)
+        identity = WorkerIdentity(
+            self.engine_id,
+            layout,
+            dp_rank,
+            worker_rank(),
+            geometry(self.vllm_config, str(first.dtype).removeprefix("torch."), memory.layers[0].block_size),
+            physical_order(memory),
+        )
+        mem_type = "VRAM" if first.is_cuda else "DRAM"
+        logger.info(
+            "kvbridge worker %s: %d layers %s, %s, regions %s",
+            identity,
+            len(memory.layers),
+            memory.layer_ids(),
+            identity.kv_layout,
+            [(hex(r.addr), r.nbytes, r.device_id) for r in memory.regions],
+        )
+        if self.is_producer:
+            self.prefill = PrefillWorker(identity, memory, self.config, mem_type).start()
+        if self.is_consumer:
+            self.decode = DecodeWorker(identity, memory, self.config, mem_type).start()
+
+    def start_load_kv(self, meta: KVBridgeMetadata) -> None:
+        if self.decode is not None:
+            for job in (*meta.loads, *meta.releases):
+                self.decode.load(job)
+        if self.prefill is not None:
+            for request_id in meta.holds:
+                self.prefill.hold(request_id)
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets."""
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        if self.prefill is not None:
+            sending, expired = self.prefill.finished()
+            self.stats.record_expired(expired)
+        if self.decode is not None:
+            done, failed, stats = self.decode.results()
+            recving = done | failed
+            self.stats.record(stats)
+        return sending, recving, failed
+
+    def take_stats(self) -> KVBridgeStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KVBridgeStats()
+        return out
+
+    def shutdown(self) -> None:
+        for runtime in (self.decode, self.prefill):
+            if runtime is not None:
+                runtime.close()
+        self.decode = self.prefill = None
