@@ -6,9 +6,7 @@ import sys
 
 
 def kvbridge(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", *args], capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([sys.executable, "-m", "kvbridge.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_plan_json_pp2_to_tp2():
@@ -47,18 +45,14 @@ def test_plan_json_pp2_to_tp2():
 
 
 def test_plan_table():
-    out = kvbridge(
-        "plan", "--prefill", "tp=4", "--decode", "pp=1", "--num-layers", "8", "--num-kv-heads", "2"
-    )
+    out = kvbridge("plan", "--prefill", "tp=4", "--decode", "pp=1", "--num-layers", "8", "--num-kv-heads", "2")
     assert out.returncode == 0, out.stderr
     assert "prefill pp=1,tp=4  ->  decode pp=1,tp=1" in out.stdout
     assert "nobody reads from" in out.stdout
 
 
 def test_invalid_layout_is_one_line_without_traceback():
-    out = kvbridge(
-        "plan", "--prefill", "pp=2,tp=3", "--decode", "tp=1", "--num-layers", "28", "--num-kv-heads", "4"
-    )
+    out = kvbridge("plan", "--prefill", "pp=2,tp=3", "--decode", "tp=1", "--num-layers", "28", "--num-kv-heads", "4")
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().count("\n") == 0
@@ -66,8 +60,6 @@ def test_invalid_layout_is_one_line_without_traceback():
 
 
 def test_unparsable_layout():
-    out = kvbridge(
-        "plan", "--prefill", "pp=two", "--decode", "tp=1", "--num-layers", "28", "--num-kv-heads", "4"
-    )
+    out = kvbridge("plan", "--prefill", "pp=two", "--decode", "tp=1", "--num-layers", "28", "--num-kv-heads", "4")
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "cannot parse 'pp=two'" in out.stderr

@@ -23,9 +23,7 @@ class Worker:
             self.buffer.random_(0, 256, generator=torch.Generator().manual_seed(size + len(layers)))
         else:
             self.buffer.fill_(fill)
-        self.memory = synthesize_memory(
-            layout, geometry, layers, num_heads, num_blocks, self.buffer.data_ptr()
-        )
+        self.memory = synthesize_memory(layout, geometry, layers, num_heads, num_blocks, self.buffer.data_ptr())
 
     def view(self, layer: int) -> torch.Tensor:
         """[planes, blocks, heads, tokens, row bytes] of one layer, by its strides."""
@@ -126,9 +124,7 @@ def test_bytes_match_torch_indexing(prefill, decode, heads, layout):
 def test_mixed_layouts_still_correct():
     """A prefill side in HND and a decode side in NHD: more descriptors, same bytes."""
     geometry = KVGeometry(num_layers=4, num_kv_heads=4, head_size=8, dtype="float32", block_size=4)
-    check_layouts(
-        ParallelLayout(pp=2), ParallelLayout(tp=2), geometry, "LBHNC", "LBNHC", [3, 1, 7], [0, 5, 2], 8
-    )
+    check_layouts(ParallelLayout(pp=2), ParallelLayout(tp=2), geometry, "LBHNC", "LBNHC", [3, 1, 7], [0, 5, 2], 8)
 
 
 @settings(max_examples=40, deadline=None)
@@ -173,9 +169,7 @@ def descriptor_count(layout, prefill, decode, src_blocks, dst_blocks):
         for pw in prefill.workers()
     }
     dw = WorkerRank(0, 0)
-    dst = synthesize_memory(
-        layout, GEOMETRY, decode.stage_layers(layers, 0), len(decode.kv_heads(4, 0)), 4096, 1 << 44
-    )
+    dst = synthesize_memory(layout, GEOMETRY, decode.stage_layers(layers, 0), len(decode.kv_heads(4, 0)), 4096, 1 << 44)
     return sum(len(d) for d in worker_descriptors(plan, dw, dst, sources, src_blocks, dst_blocks).values())
 
 
@@ -232,6 +226,4 @@ def test_bad_inputs_name_the_problem():
 def test_memory_validation():
     with pytest.raises(ValueError, match="outside its region"):
         lk = LayerKV(0, 0, 100, 5, 1, 4, 8, 32, 32, 8)  # 5 blocks in room for 4
-        WorkerMemory(
-            (synthesize_memory("LBHNC", KVGeometry(1, 1, 2, "float32", 4), [0], 1, 2, 100).regions), (lk,)
-        )
+        WorkerMemory((synthesize_memory("LBHNC", KVGeometry(1, 1, 2, "float32", 4), [0], 1, 2, 100).regions), (lk,))

@@ -48,9 +48,7 @@ def check_plan_covers_exactly_once(prefill, decode, geometry):
                     assert head in held_heads, f"{read} reads head {head} that {pw} does not hold"
                     got[(layer, head)] += 1
         wanted = {
-            (layer, head)
-            for layer in decode.stage_layers(layers, dw.pp)
-            for head in decode.kv_heads(heads, dw.tp)
+            (layer, head) for layer in decode.stage_layers(layers, dw.pp) for head in decode.kv_heads(heads, dw.tp)
         }
         assert set(got) == wanted
         assert all(count == 1 for count in got.values())
@@ -69,9 +67,7 @@ def test_every_pair_is_covered_exactly_once(pair):
 def test_issue_grid(p, d, heads):
     """Every pp, tp in {1, 2, 4} on both sides, as the connector issue asks, with 1 to 8 KV heads."""
     geometry = KVGeometry(num_layers=10, num_kv_heads=heads, head_size=64)
-    check_plan_covers_exactly_once(
-        ParallelLayout(pp=p[0], tp=p[1]), ParallelLayout(pp=d[0], tp=d[1]), geometry
-    )
+    check_plan_covers_exactly_once(ParallelLayout(pp=p[0], tp=p[1]), ParallelLayout(pp=d[0], tp=d[1]), geometry)
 
 
 @settings(max_examples=200, deadline=None)

@@ -365,9 +365,7 @@ def _send_frames(server: sc.SideChannelServer, frames: list[bytes]) -> list[byte
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
-def test_fuzzed_frames_are_answered_and_never_stall_the_server(
-    live: sc.SideChannelServer, frames: list[bytes]
-) -> None:
+def test_fuzzed_frames_are_answered_and_never_stall_the_server(live: sc.SideChannelServer, frames: list[bytes]) -> None:
     answer = _send_frames(live, frames)
     assert answer is not None, "the server did not answer"
     body = answer[-1]
@@ -389,9 +387,7 @@ def test_truncated_requests_get_an_error_reply(live: sc.SideChannelServer, cut: 
 
 
 def test_oversized_frames_are_dropped_without_harm() -> None:
-    server = sc.SideChannelServer(
-        0, sc.handshake_handler(prefill_reply(0, WorkerRank(0, 0))), max_message_bytes=1024
-    )
+    server = sc.SideChannelServer(0, sc.handshake_handler(prefill_reply(0, WorkerRank(0, 0))), max_message_bytes=1024)
     server.start()
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)

@@ -61,9 +61,7 @@ def _serve_and_generate(model: Path, log_dir: Path, *, pp: int = 1, tp: int = 1)
         replies = [complete(server.url, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
         generate_s = time.monotonic() - started
         samples = metrics(server.url)
-    print(
-        f"  {name}: ready after {startup_s:.1f} s, {len(PROMPTS)} requests in {generate_s:.2f} s", flush=True
-    )
+    print(f"  {name}: ready after {startup_s:.1f} s, {len(PROMPTS)} requests in {generate_s:.2f} s", flush=True)
     assert server.process is not None and server.process.poll() is not None
     return {"startup_s": startup_s, "replies": replies, "metrics": samples}
 
@@ -112,10 +110,7 @@ def test_stop_ends_the_whole_process_tree(tmp_path: Path) -> None:
     assert server.process is not None
     pgid = server.process.pid
     deadline = time.monotonic() + 10
-    while (
-        "child" not in (server.log_path.read_text() if server.log_path else "")
-        and time.monotonic() < deadline
-    ):
+    while "child" not in (server.log_path.read_text() if server.log_path else "") and time.monotonic() < deadline:
         time.sleep(0.05)
     child = int(server.log_path.read_text().split("child ")[1].split()[0])
     started = time.monotonic()
@@ -145,9 +140,7 @@ def test_tiny_model_rejects_unsupported_head_dim(tmp_path: Path) -> None:
 
 
 def test_server_command_and_environment(tmp_path: Path) -> None:
-    pp2 = VllmServer(
-        tmp_path, port=8123, pp=2, kv_transfer_config={"kv_connector": "X", "kv_role": "kv_both"}
-    )
+    pp2 = VllmServer(tmp_path, port=8123, pp=2, kv_transfer_config={"kv_connector": "X", "kv_role": "kv_both"})
     cmd = pp2.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert "--enforce-eager" not in cmd

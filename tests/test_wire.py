@@ -49,9 +49,7 @@ def make_request(
     kv_layout: str = "LBNHC",
     target: tuple[int, WorkerRank] | None = PREFILL_WORKER,
 ) -> wire.HandshakeRequest:
-    memory = synthesize_memory(
-        kv_layout, geometry, range(geometry.num_layers), geometry.num_kv_heads, 8, 1 << 20
-    )
+    memory = synthesize_memory(kv_layout, geometry, range(geometry.num_layers), geometry.num_kv_heads, 8, 1 << 20)
     return wire.HandshakeRequest.build(
         "decode-0", layout, 0, WorkerRank(0, 0), geometry, kv_layout, memory, target=target
     )
@@ -207,15 +205,9 @@ def test_worker_and_refusal_helpers() -> None:
     refused = wire.HandshakeRefused(field="head_size", ours=64, theirs=128)
     error = refused.to_error()  # from the requester's side: its own value first
     assert (error.field, error.ours, error.theirs) == ("head_size", 128, 64)
-    assert wire.HandshakeRefused.from_error(error) == wire.HandshakeRefused(
-        field="head_size", ours=128, theirs=64
-    )
-    odd = wire.HandshakeRefused.from_error(
-        IncompatiblePeerError("x", WorkerRank(0, 1), (1, WorkerRank(0, 0)))
-    )
-    assert wire.decode(wire.encode(odd)) == wire.HandshakeRefused(
-        field="x", ours="pp0/tp1", theirs=[1, "pp0/tp0"]
-    )
+    assert wire.HandshakeRefused.from_error(error) == wire.HandshakeRefused(field="head_size", ours=128, theirs=64)
+    odd = wire.HandshakeRefused.from_error(IncompatiblePeerError("x", WorkerRank(0, 1), (1, WorkerRank(0, 0))))
+    assert wire.decode(wire.encode(odd)) == wire.HandshakeRefused(field="x", ours="pp0/tp1", theirs=[1, "pp0/tp0"])
 
 
 # --- compatibility ------------------------------------------------------------------------------------------
@@ -305,9 +297,7 @@ def test_compatibility_is_symmetric(a: tuple, b: tuple) -> None:
         (WorkerRank(1, 1), None),  # tp rank 1 holds the same number of heads: consistent
     ],
 )
-def test_a_reply_that_contradicts_itself_is_a_protocol_error(
-    memory_of: WorkerRank, match: str | None
-) -> None:
+def test_a_reply_that_contradicts_itself_is_a_protocol_error(memory_of: WorkerRank, match: str | None) -> None:
     wrong = make_reply(rank=memory_of)
     reply = msgspec.structs.replace(make_reply(), memory=wrong.memory)
     if match is None:
@@ -415,9 +405,7 @@ _REPLY_BYTES = wire.encode(make_reply())
 
 
 @settings(max_examples=300)
-@given(
-    st.lists(st.tuples(st.integers(0, len(_REPLY_BYTES) - 1), st.integers(0, 255)), min_size=1, max_size=8)
-)
+@given(st.lists(st.tuples(st.integers(0, len(_REPLY_BYTES) - 1), st.integers(0, 255)), min_size=1, max_size=8))
 def test_corrupted_replies_never_raise_anything_but_protocol_error(flips: list[tuple[int, int]]) -> None:
     data = bytearray(_REPLY_BYTES)
     for index, byte in flips:
