@@ -1,4 +1,4 @@
-"""The `kvbridge` command: `plan` today; the connector's serve/proxy/demo join it as they land."""
+"""The `kvbridge` command: `plan` (check a deployment), `demo` (a disaggregated run on this machine)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,29 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from kvbridge import demo
+
+    p = sub.add_parser("demo", help="run a disaggregated prefill/decode demo on this machine", description=demo.__doc__)
+    demo.add_arguments(p)
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from kvbridge import demo
+
+    try:
+        return demo.run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: every server was stopped", file=sys.stderr)
+        return 130
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
+    _add_demo(sub)
     return parser
 
 

@@ -443,3 +443,45 @@ def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
         if series_name == name and all(series_lbls.get(k) == v for k, v in labels.items()):
             total += value
     return total
+
+
+def complete_streaming(
+    url: str,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    timeout: float = 60.0,
+) -> tuple[list[int], float]:
+    """Greedy streaming `/v1/completions`; returns (generated token ids, seconds to the first token)."""
+    body: dict[str, Any] = {
+        "prompt": [int(t) for t in prompt_token_ids],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    request = urllib.request.Request(
+        url.rstrip("/") + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    start = time.monotonic()
+    first: float | None = None
+    tokens: list[int] = []
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                for choice in chunk.get("choices", ()):
+                    ids = choice.get("token_ids") or []
+                    if ids and first is None:
+                        first = time.monotonic() - start
+                    tokens.extend(ids)
+    except urllib.error.HTTPError as err:
+        raise RequestFailed(request.full_url, err.code, err.read().decode(errors="replace")) from None
+    return tokens, first if first is not None else time.monotonic() - start

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbridge.config import BridgeConfig
 from kvbridge.vllm.metadata import KVBridgeMetadata
-from kvbridge.vllm.stats import KVBridgeStats
+from kvbridge.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +82,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVBridgePromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side -------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvbridge.decode_worker import TransferStats
 
@@ -52,3 +53,47 @@ class KVBridgeStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(key) for key in _COUNTERS)
+
+
+_PROM_COUNTERS = {
+    "transfers": "Requests whose KV this decode instance read through kvbridge.",
+    "bytes": "Bytes of KV read through kvbridge.",
+    "descriptors": "NIXL descriptors posted for those reads (after coalescing).",
+    "failures": "Loads that failed (handshake, transfer or timeout) and followed kv_load_failure_policy.",
+    "expired_leases": "Prefill requests whose blocks were freed because their lease expired before all readers.",
+}
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """kvbridge's counters and histograms on vLLM's /metrics, per engine:
+
+    vllm:kvbridge_transfers_total, vllm:kvbridge_bytes_total, vllm:kvbridge_descriptors_total,
+    vllm:kvbridge_failures_total, vllm:kvbridge_expired_leases_total, vllm:kvbridge_transfer_seconds.
+    """
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:kvbridge_{key}_total", documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for key, doc in _PROM_COUNTERS.items()
+        }
+        self.seconds = create_metric_per_engine(
+            self._histogram_cls(
+                name="vllm:kvbridge_transfer_seconds",
+                documentation="Time from posting a request's reads to their completion, per decode worker.",
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+                labelnames=labelnames,
+            ),
+            per_engine_labelvalues,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in self.counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                metric[engine_idx].inc(value)
+        for seconds in transfer_stats_data.get("seconds", ()):
+            self.seconds[engine_idx].observe(seconds)
