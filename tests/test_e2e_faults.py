@@ -1,0 +1,159 @@
+"""Failure and edge paths in real vLLM: leases, partial prefix hits, metrics, a prefill instance that dies.
+
+Two servers for the module: a prefill pp=2 (core 0) with a short lease and a decode pp=1 (core 1) with
+`kv_load_failure_policy=recompute` and short handshake timeouts. The test that kills the prefill runs last.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics
+from kvbridge.tiny_model import build_tiny_model
+from kvbridge.transfer_demo import free_base_port
+
+pytestmark = pytest.mark.vllm
+
+SOURCE = "vllm:prompt_tokens_by_source_total"
+LEASE_S = 4.0
+
+
+def config(role: str, port: int, **extra) -> dict:
+    return {
+        "kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"side_channel_port": port, **extra},
+    }
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    model = build_tiny_model(root / "model")
+    prefill = VllmServer(
+        model,
+        port=free_port(),
+        pp=2,
+        cpu_bind="0|0",
+        kv_transfer_config=config("kv_producer", free_base_port(2), lease_s=LEASE_S),
+        name="prefill",
+        log_path=root / "prefill.log",
+    )
+    decode = VllmServer(
+        model,
+        port=free_port(),
+        cpu_bind="1",
+        kv_transfer_config=config(
+            "kv_consumer", free_base_port(1), handshake_timeout_s=1.0, handshake_retries=1, transfer_timeout_s=10.0
+        ),
+        name="decode",
+        log_path=root / "decode.log",
+    )
+    try:
+        prefill.start()
+        decode.start()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda s: s.wait_ready(600), (prefill, decode)))
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def kv_usage(server: VllmServer) -> float:
+    return metric_sum(metrics(server.url), "vllm:kv_cache_usage_perc")
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.25) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def test_unread_request_is_freed_when_its_lease_expires(pair):
+    prefill, _ = pair
+    baseline = kv_usage(prefill)
+    params = complete(prefill.url, prompt(1, 300), 1, kv_transfer_params={"do_remote_decode": True})
+    assert params["kv_transfer_params"]["remote_block_ids"]
+    assert kv_usage(prefill) > baseline, "the prefill server should hold the request's blocks for a reader"
+    assert wait_for(lambda: kv_usage(prefill) == baseline, LEASE_S + 10), "blocks leaked after the lease expired"
+    assert wait_for(lambda: metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total") >= 1, 15)
+
+
+def test_read_request_is_freed_as_soon_as_decode_notifies(pair):
+    prefill, decode = pair
+    baseline = kv_usage(prefill)
+    p = prompt(2, 260)
+    first = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})
+    t0 = time.monotonic()
+    complete(decode.url, p, 4, kv_transfer_params=first["kv_transfer_params"])
+    assert wait_for(lambda: kv_usage(prefill) == baseline, LEASE_S / 2), "blocks not freed after the read"
+    assert time.monotonic() - t0 < LEASE_S, "freed only by the lease, not by the decode side's notification"
+
+
+def test_decode_prefix_hit_reads_only_the_missing_blocks(pair):
+    prefill, decode = pair
+    shared = prompt(3, 256)  # two full 128-token blocks
+    a, b = shared + prompt(4, 60), shared + prompt(5, 90)
+    for full in (a, b):
+        before = metrics(decode.url)
+        first = complete(prefill.url, full, 1, kv_transfer_params={"do_remote_decode": True})
+        tokens = complete(decode.url, full, 8, kv_transfer_params=first["kv_transfer_params"])["choices"][0][
+            "token_ids"
+        ]
+        after = metrics(decode.url)
+        assert tokens == complete(prefill.url, full, 8)["choices"][0]["token_ids"]
+        moved = metric_sum(after, SOURCE, source="external_kv_transfer") - metric_sum(
+            before, SOURCE, source="external_kv_transfer"
+        )
+        hit = metric_sum(after, SOURCE, source="local_cache_hit") - metric_sum(before, SOURCE, source="local_cache_hit")
+        if full is a:
+            assert (moved, hit) == (len(a), 0)
+        else:
+            assert (moved, hit) == (len(b) - 256, 256), "the second request should read only its new blocks"
+
+
+def test_transfer_metrics_reach_prometheus(pair):
+    _, decode = pair
+    assert wait_for(lambda: metric_sum(metrics(decode.url), "vllm:kvbridge_transfers_total") >= 1, 15)
+    m = metrics(decode.url)
+    assert metric_sum(m, "vllm:kvbridge_bytes_total") > 0
+    assert metric_sum(m, "vllm:kvbridge_descriptors_total") > 0
+    assert metric_sum(m, "vllm:kvbridge_transfer_seconds_count") >= 1
+
+
+def test_dead_prefill_is_recomputed_and_decode_keeps_serving(pair):
+    prefill, decode = pair
+    p = prompt(6, 300)
+    first = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})
+    reference = complete(prefill.url, p, 8)["choices"][0]["token_ids"]
+    prefill.stop()
+    before = metrics(decode.url)
+    t0 = time.monotonic()
+    tokens = complete(decode.url, p, 8, kv_transfer_params=first["kv_transfer_params"], timeout=120)["choices"][0][
+        "token_ids"
+    ]
+    elapsed = time.monotonic() - t0
+    after = metrics(decode.url)
+    assert tokens == reference, "recompute after a failed load must give the aggregated output"
+    assert elapsed < 30, f"a dead prefill instance held the request for {elapsed:.1f} s"
+    assert metric_sum(after, SOURCE, source="local_compute") - metric_sum(
+        before, SOURCE, source="local_compute"
+    ) >= len(p)
+    assert wait_for(lambda: metric_sum(metrics(decode.url), "vllm:kvbridge_failures_total") >= 1, 15)
+    # The decode server still serves plain requests.
+    assert complete(decode.url, prompt(7, 50), 4)["choices"][0]["token_ids"]
