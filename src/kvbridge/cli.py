@@ -1,4 +1,5 @@
-"""The `kvbridge` command: `plan` (check a deployment), `demo` (a disaggregated run on this machine)."""
+"""The `kvbridge` command: `plan` (check a deployment), `demo` (a disaggregated run on this machine), `serve` (a
+vLLM server with kvbridge), `proxy` (a prefill/decode router in front of such servers)."""
 
 from __future__ import annotations
 
@@ -71,11 +72,39 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 130
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from kvbridge import serve
+
+    p = sub.add_parser(
+        "serve",
+        help="start a vLLM server with KVBridgeConnector (prefill, decode or both)",
+        description=serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_arguments(p)
+    p.set_defaults(run=lambda args: serve.run(args))
+
+
+def _add_proxy(sub: argparse._SubParsersAction) -> None:
+    from kvbridge import proxy
+
+    p = sub.add_parser(
+        "proxy",
+        help="an OpenAI-compatible router: prefill leg, then decode leg",
+        description=proxy.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    proxy.add_arguments(p)
+    p.set_defaults(run=lambda args: proxy.run(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
     _add_demo(sub)
+    _add_serve(sub)
+    _add_proxy(sub)
     return parser
 
 

@@ -41,11 +41,14 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     transfer_timeout_s: Seconds = 60.0
     """A request's reads that have not all completed by then fail (and follow kv_load_failure_policy)."""
 
-    ucx_tls: str = "self,sm,cma,tcp"
-    """UCX transports (UCX_TLS) unless the environment sets UCX_TLS. Across hosts add rc/ud for RDMA."""
+    ucx_tls: str | None = "auto"
+    """UCX transports (UCX_TLS) unless the environment sets UCX_TLS. "auto": `self,sm,cma,tcp` for KV in host
+    memory (tcp is what lets UCX detect a dead peer), UCX's own choice for GPU memory (cuda_ipc, cuda_copy, rc...);
+    None: UCX's own choice always."""
 
-    ucx_net_devices: str | None = "lo"
-    """UCX network devices (UCX_NET_DEVICES) unless the environment sets it; None lets UCX choose."""
+    ucx_net_devices: str | None = None
+    """UCX network devices (UCX_NET_DEVICES) unless the environment sets it; None lets UCX choose. Tests and
+    `kvbridge serve`/`demo` on one machine use "lo" (through the environment)."""
 
     kv_layout: str | None = None
     """A vLLM KV cache layout to ask for ("NHD" or "HND"); None asks HND only when TP sizes may differ."""

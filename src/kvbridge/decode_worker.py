@@ -83,7 +83,7 @@ class DecodeWorker:
         self.config = config
         self.mem_type = mem_type
         # A kv_both worker also runs a PrefillWorker: agent names must differ.
-        self.transport = NixlTransport(identity.agent_name + "-reader", transport_config(config))
+        self.transport = NixlTransport(identity.agent_name + "-reader", transport_config(config, mem_type))
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()

@@ -40,7 +40,7 @@ class PrefillWorker:
         self.mem_type = mem_type
         self.clock = clock
         self.port = side_channel_port(config.side_channel_port, identity.layout, identity.dp_rank, identity.rank)
-        self.transport = NixlTransport(identity.agent_name, transport_config(config))
+        self.transport = NixlTransport(identity.agent_name, transport_config(config, mem_type))
         self._leases = LeaseBook(config.lease_s)
         self._lock = threading.Lock()
         self._to_hold: list[str] = []
@@ -148,5 +148,8 @@ class PrefillWorker:
         return active
 
 
-def transport_config(config: BridgeConfig) -> TransportConfig:
-    return TransportConfig(ucx_tls=config.ucx_tls, ucx_net_devices=config.ucx_net_devices)
+def transport_config(config: BridgeConfig, mem_type: MemType) -> TransportConfig:
+    tls = config.ucx_tls
+    if tls == "auto":
+        tls = "self,sm,cma,tcp" if mem_type == "DRAM" else None
+    return TransportConfig(ucx_tls=tls, ucx_net_devices=config.ucx_net_devices)
