@@ -136,6 +136,45 @@ def test_transfer_metrics_reach_prometheus(pair):
     assert metric_sum(m, "vllm:kvbridge_transfer_seconds_count") >= 1
 
 
+def decode_with(decode: VllmServer, p: list[int], params: dict) -> tuple[list[int], float, float]:
+    """(tokens, prompt tokens moved by kvbridge, prompt tokens computed locally) of one decode request."""
+    before = metrics(decode.url)
+    tokens = complete(decode.url, p, 8, kv_transfer_params=params, timeout=120)["choices"][0]["token_ids"]
+    after = metrics(decode.url)
+    moved = metric_sum(after, SOURCE, source="external_kv_transfer") - metric_sum(
+        before, SOURCE, source="external_kv_transfer"
+    )
+    computed = metric_sum(after, SOURCE, source="local_compute") - metric_sum(before, SOURCE, source="local_compute")
+    return tokens, moved, computed
+
+
+def test_reused_params_never_read_freed_blocks(pair):
+    """A second decode request with params whose blocks were already read and freed is refused by the prefill
+    worker and recomputed, instead of reading blocks that may now hold another request's KV."""
+    prefill, decode = pair
+    p = prompt(8, 300)
+    params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    reference = complete(prefill.url, p, 8)["choices"][0]["token_ids"]
+    tokens, moved, _ = decode_with(decode, p, params)
+    assert (tokens, moved) == (reference, len(p))
+    # Another prompt now occupies the freed blocks on the prefill side.
+    complete(prefill.url, prompt(9, 300), 1, kv_transfer_params={"do_remote_decode": True})
+    q = prompt(10, 300)
+    tokens, moved, computed = decode_with(decode, q, dict(params))
+    assert tokens == complete(prefill.url, q, 8)["choices"][0]["token_ids"]
+    assert computed >= len(q), "the refused load must be recomputed locally"
+
+
+def test_block_ids_not_the_requests_are_refused(pair):
+    prefill, decode = pair
+    p = prompt(11, 300)
+    params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    forged = dict(params, remote_block_ids=[b + 50 for b in params["remote_block_ids"]])
+    tokens, _moved, computed = decode_with(decode, p, forged)
+    assert tokens == complete(prefill.url, p, 8)["choices"][0]["token_ids"]
+    assert computed >= len(p), "the refused load must be recomputed locally"
+
+
 def test_dead_prefill_is_recomputed_and_decode_keeps_serving(pair):
     prefill, decode = pair
     p = prompt(6, 300)

@@ -41,6 +41,11 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     transfer_timeout_s: Seconds = 60.0
     """A request's reads that have not all completed by then fail (and follow kv_load_failure_policy)."""
 
+    verify_requests: bool = True
+    """Before reading, ask each prefill worker whether it still holds the request with these blocks (one
+    side-channel round trip per worker): a late or forged request then fails cleanly instead of reading blocks
+    that belong to another request."""
+
     ucx_tls: str | None = "auto"
     """UCX transports (UCX_TLS) unless the environment sets UCX_TLS. "auto": `self,sm,cma,tcp` for KV in host
     memory (tcp is what lets UCX detect a dead peer), UCX's own choice for GPU memory (cuda_ipc, cuda_copy, rc...);

@@ -22,13 +22,13 @@ import numpy as np
 from kvbridge import wire
 from kvbridge.config import BridgeConfig
 from kvbridge.descriptors import Descriptors, worker_descriptors
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import KVBridgeError, RequestParamsError
 from kvbridge.identity import WorkerIdentity
 from kvbridge.memory import WorkerMemory
 from kvbridge.params import PrefillDone
 from kvbridge.plan import TransferPlan, make_plan
 from kvbridge.prefill_worker import transport_config
-from kvbridge.side_channel import fetch_handshake, side_channel_port
+from kvbridge.side_channel import exchange, fetch_handshake, side_channel_port
 from kvbridge.topology import WorkerRank
 from kvbridge.transport import Backoff, MemType, NixlTransport, Transfer
 
@@ -162,6 +162,8 @@ class DecodeWorker:
             peers = self._connect(job.source)
             plan = self._plan(job.source)
             descs = self._descriptors(plan, peers, job)
+            if self.config.verify_requests and job.remote_blocks:
+                self._claim(job, [rank for rank, d in descs.items() if len(d)])
             note = wire.encode(
                 wire.Notify(
                     request_id=job.source.remote_request_id,
@@ -256,6 +258,36 @@ class DecodeWorker:
         self._engines[key] = peers
         logger.info("kvbridge decode %s connected to %d workers of %s", ident, len(peers), source.remote_engine_id)
         return peers
+
+    def _claim(self, job: LoadJob, ranks: list[WorkerRank]) -> None:
+        """Make sure every prefill worker we read from still holds the request with these blocks.
+
+        The prefill side learns of a hold one engine step after the client got its kv_transfer_params, so a
+        refusal is retried for a short while before it counts."""
+        source = job.source
+        claim = wire.Claim(
+            request_id=source.remote_request_id,
+            block_ids=tuple(job.remote_blocks),
+            engine_id=self.identity.engine_id,
+            worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
+        )
+        for rank in ranks:
+            port = side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
+            deadline = time.monotonic() + 2.0
+            while True:
+                answer = exchange(
+                    source.remote_host,
+                    port,
+                    claim,
+                    timeout_s=self.config.handshake_timeout_s,
+                    retries=self.config.handshake_retries,
+                )
+                if isinstance(answer, wire.Ack):
+                    break
+                if time.monotonic() > deadline:
+                    text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
+                    raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
+                time.sleep(0.02)
 
     def _forget(self, source: PrefillDone) -> None:
         """Drop a prefill engine's cached connection after a failure, so the next request handshakes again

@@ -120,9 +120,7 @@ def run(args: argparse.Namespace) -> int:
     prefill = _server("prefill", model, prefill_layout, 0, workdir)
     decode = _server("decode", model, decode_layout, 1, workdir)
     print(f"starting prefill ({prefill_layout}) and decode ({decode_layout}) vLLM servers; logs in {workdir}")
-    with prefill, decode:
-        prefill.start()
-        decode.start()
+    with prefill, decode:  # entering starts them; leaving stops them, also on errors and Ctrl-C
         _wait_all([prefill, decode], args.startup_timeout)
         print(f"ready: prefill {prefill.url}, decode {decode.url}\n", flush=True)
         rng = random.Random(0)

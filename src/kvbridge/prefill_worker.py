@@ -44,6 +44,7 @@ class PrefillWorker:
         self._leases = LeaseBook(config.lease_s)
         self._lock = threading.Lock()
         self._to_hold: list[str] = []
+        self._held: dict[str, frozenset[int]] = {}  # what claims are checked against (under _lock)
         self._finished: set[str] = set()
         self._expired_new = 0
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
@@ -68,18 +69,39 @@ class PrefillWorker:
             self.transport.agent_metadata(),
             self.memory,
         )
-        self._server = SideChannelServer(self.port, handshake_handler(reply), host=self.config.side_channel_host)
+        self._server = SideChannelServer(
+            self.port, handshake_handler(reply, self._answer), host=self.config.side_channel_host
+        )
         self._server.start()
         self._thread = threading.Thread(target=self._run, name=f"kvbridge-prefill-{ident.rank}", daemon=True)
         self._thread.start()
         logger.info("kvbridge prefill worker %s serving handshakes on port %d", ident, self.port)
         return self
 
-    def hold(self, request_id: str) -> None:
+    def hold(self, request_id: str, block_ids: tuple[int, ...] = ()) -> None:
         """Keep `request_id`'s blocks until its readers are done or its lease expires."""
         with self._lock:
             self._to_hold.append(request_id)
+            self._held[request_id] = frozenset(block_ids)
         self._wake.set()
+
+    def _answer(self, message: wire.Message) -> wire.Message:
+        """Side-channel messages other than handshakes (runs on the side-channel thread, no NIXL calls)."""
+        match message:
+            case wire.Claim(request_id=request_id, block_ids=blocks):
+                with self._lock:
+                    held = self._held.get(request_id)
+                if held is None:
+                    return wire.ErrorReply(
+                        message=f"request {request_id} is not held by {self.identity} (unknown, already read, "
+                        "or its lease expired)"
+                    )
+                stray = sorted(set(blocks) - held)
+                if stray:
+                    return wire.ErrorReply(message=f"blocks {stray[:8]} are not request {request_id}'s")
+                return wire.Ack(request_id=request_id)
+            case _:
+                return wire.ErrorReply(message=f"unexpected {type(message).__name__}")
 
     def finished(self) -> tuple[set[str], int]:
         """(ids whose blocks may be freed now, leases expired since the last call). Makes progress too, unless
@@ -143,6 +165,8 @@ class PrefillWorker:
             logger.warning("kvbridge prefill %s: lease expired for %s", self.identity, sorted(expired))
         if done or expired:
             with self._lock:
+                for request_id in done | expired:
+                    self._held.pop(request_id, None)
                 self._finished |= done | expired
                 self._expired_new += len(expired)
         return active

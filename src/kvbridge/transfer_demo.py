@@ -77,7 +77,7 @@ def _prefill_main(scenario, rank, config, engine_id, request_id, ready, finished
     ident = WorkerIdentity(engine_id, scenario.prefill, 0, rank, scenario.geometry)
     worker = PrefillWorker(ident, memory, config).start()
     try:
-        worker.hold(request_id)
+        worker.hold(request_id, tuple(scenario.blocks()[0]))
         ready.put(("ready", str(rank)))
         start = time.monotonic()
         while not stop.is_set():

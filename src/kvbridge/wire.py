@@ -324,6 +324,19 @@ class Notify(_Message, tag="notify", kw_only=True):
     """How many notifications the prefill worker gets for this request in all (one per decode worker)."""
 
 
+class Claim(_Message, tag="claim", kw_only=True):
+    """Decode worker -> prefill worker, before reading: is `request_id` held here, with these blocks?
+
+    Answered by Ack, or ErrorReply saying why not (unknown, finished, lease expired, blocks not the request's):
+    a decode side must never read blocks that no longer, or never did, hold the request's KV.
+    """
+
+    request_id: str
+    block_ids: tuple[NonNegative, ...]
+    engine_id: str
+    worker: Worker
+
+
 class Abort(_Message, tag="abort", kw_only=True):
     """Decode worker -> prefill worker: `worker` will not read `request_id` (failed, cancelled, expired)."""
 
@@ -345,12 +358,13 @@ class ErrorReply(_Message, tag="error", kw_only=True):
     message: str
 
 
-Message = HandshakeRequest | HandshakeReply | HandshakeRefused | Notify | Abort | Ack | ErrorReply
+Message = HandshakeRequest | HandshakeReply | HandshakeRefused | Notify | Claim | Abort | Ack | ErrorReply
 MESSAGE_TYPES: tuple[type[_Message], ...] = (
     HandshakeRequest,
     HandshakeReply,
     HandshakeRefused,
     Notify,
+    Claim,
     Abort,
     Ack,
     ErrorReply,

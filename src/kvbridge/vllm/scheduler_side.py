@@ -118,5 +118,5 @@ class SchedulerSide:
             tp_size=self.layout.tp,
             pp_size=self.layout.pp,
         )
-        self._meta.holds.append(request.request_id)
+        self._meta.holds.append((request.request_id, tuple(block_ids)))
         return True, done.to_dict()

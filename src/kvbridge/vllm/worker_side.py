@@ -70,8 +70,8 @@ class WorkerSide:
             for job in (*meta.loads, *meta.releases):
                 self.decode.load(job)
         if self.prefill is not None:
-            for request_id in meta.holds:
-                self.prefill.hold(request_id)
+            for request_id, block_ids in meta.holds:
+                self.prefill.hold(request_id, block_ids)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets."""
