@@ -78,9 +78,7 @@ def run_pair(model, pair: str, connector: str, prompts, logdir, timeout: float) 
     prefill = server(model, "prefill", p_layout, "0", connector, "kv_producer", logdir)
     decode = server(model, "decode", d_layout, "1", connector, "kv_consumer", logdir)
     result: dict = {"pair": f"{p_layout}->{d_layout}", "connector": connector}
-    with prefill, decode:
-        prefill.start()
-        decode.start()
+    with prefill, decode:  # entering starts them; leaving stops them, also on errors
         for s in (prefill, decode):
             try:
                 s.wait_ready(600)
