@@ -171,6 +171,7 @@ class FakeBackend:
         delay: float = 0.0,
         status: int = 200,
         no_params: bool = False,
+        crash_after: int | None = None,
     ) -> None:
         self.name = name
         self.tokens = tokens
@@ -178,6 +179,7 @@ class FakeBackend:
         self.delay = delay
         self.status = status
         self.no_params = no_params
+        self.crash_after = crash_after
         self.healthy = True
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.sent = bytearray()
@@ -239,6 +241,8 @@ class FakeBackend:
         for i, token in enumerate(self.tokens):
             if self.disconnected.is_set():
                 return
+            if i == self.crash_after:
+                raise RuntimeError(f"{self.name} crashes mid-stream (on purpose)")
             chunk = b"data: " + json.dumps({"choices": [{"index": 0, "text": token, "n": i}]}).encode() + b"\n\n"
             self.sent += chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -406,6 +410,31 @@ def test_backend_errors_pass_through_and_missing_params_are_502():
         assert d.requests == []
 
 
+def test_decode_backend_dying_mid_stream_ends_the_stream_with_an_error_event():
+    p, d = FakeBackend("p"), FakeBackend("d", tokens=("a", "b", "c", "d"), crash_after=2)
+    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url], health_interval_s=60) as (url, _):
+        with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}, timeout=10) as reply:
+            assert reply.status_code == 200
+            received = b"".join(reply.iter_raw())
+        assert received.startswith(bytes(d.sent))
+        events = [json.loads(e[6:]) for e in received.decode().split("\n\n") if e.startswith("data: {")]
+        assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b"]
+        assert events[-1]["error"]["type"] == "bad_gateway" and events[-1]["error"]["backend"] == ds.url
+        assert health(url)[f"decode {ds.url}"]["up"] is False
+
+
+def test_limits():
+    p, d = FakeBackend("p"), FakeBackend("d", tokens=tuple("abcdefghij"), chunk_delay=0.1)
+    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url], max_inflight=1, max_body_bytes=1000) as (url, _):
+        with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}, timeout=10) as reply:
+            chunks = reply.iter_raw()  # kept: a dropped iterator closes the response
+            next(chunks)
+            second = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+            assert second.status_code == 503 and second.json()["error"]["type"] == "overloaded"
+        big = httpx.post(url + "/v1/completions", json={**BODY, "prompt": list(range(1000))}, timeout=10)
+        assert big.status_code == 413
+
+
 def test_client_disconnect_closes_the_upstream_legs():
     p, d = FakeBackend("p"), FakeBackend("d", tokens=tuple("abcdefghijklmnopqrstuvwxyz"), chunk_delay=0.1)
     with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, _):
@@ -505,7 +534,10 @@ def test_serve_refuses_bad_settings_before_starting():
     assert out.returncode == 2 and "use its --tp" in out.stderr
     out = kvbridge("serve", "--role", "both", "--model", "m", "--platform", "gpu", "--dry-run")
     assert out.returncode == 0 and "kv_both" in out.stdout and "--enforce-eager" not in out.stdout
-    assert "--port 8000" in out.stdout
+    assert "--port 8000" in out.stdout and "UCX_NET_DEVICES=lo" in out.stdout
+    assert "UCX_TLS" not in out.stdout  # on GPUs UCX picks cuda_ipc / cuda_copy
+    out = kvbridge("serve", "--role", "prefill", "--model", "m", "--host", "0.0.0.0", "--dry-run")
+    assert out.returncode == 0 and "UCX_NET_DEVICES" not in out.stdout and "VLLM_HOST_IP" not in out.stdout
 
 
 # --- real vLLM servers behind the proxy -------------------------------------------------------------------

@@ -322,12 +322,12 @@ class _LegFailed(Exception):
 class _Call:
     """One client completion request in flight, and the state of the reply sent to it."""
 
-    def __init__(self, send: Any, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    def __init__(self, send: Any, path: str, headers: dict[str, str]) -> None:
         self._send = send
         self.path = path
         self.chat = path == CHAT_COMPLETIONS
-        self.body = body
-        self.stream = bool(body.get("stream"))
+        self.body: dict[str, Any] = {}
+        """The client's request, once read."""
         self.headers = headers
         """Forwarded to both legs (x-request-id, authorization)."""
         self.arrived = time.monotonic()
@@ -337,6 +337,10 @@ class _Call:
         """The reply is complete."""
         self.disconnected = False
         """The client went away before the reply was complete."""
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
 
     @property
     def request_id(self) -> str:
@@ -497,11 +501,11 @@ class Proxy:
         forwarded = {"x-request-id": headers.get("x-request-id") or uuid.uuid4().hex}
         if "authorization" in headers:
             forwarded["authorization"] = headers["authorization"]
-        call = _Call(send, path, {}, forwarded)
+        call = _Call(send, path, forwarded)
         try:
             body = await self._read_body(call, receive)
             if body is not None:
-                call.body, call.stream = body, bool(body.get("stream"))
+                call.body = body
                 await self._run(call, receive)
         finally:
             status = 499 if call.disconnected else call.status or 500
@@ -803,7 +807,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode backend (repeat)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
-    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s, metavar="S")
+    p.add_argument(
+        "--connect-timeout", type=float, default=d.connect_timeout_s, metavar="S", help="connecting to a backend"
+    )
     p.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s, metavar="S", help="whole prefill leg")
     p.add_argument(
         "--decode-timeout",
@@ -812,12 +818,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="longest wait for the decode backend's next bytes (the whole reply when not streaming)",
     )
-    p.add_argument("--health-interval", type=float, default=d.health_interval_s, metavar="S")
-    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s, metavar="S")
-    p.add_argument("--connect-retries", type=int, default=d.connect_retries, metavar="N")
-    p.add_argument("--max-inflight", type=int, default=d.max_inflight, metavar="N", help="0: no limit")
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="N")
-    p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N")
+    p.add_argument(
+        "--health-interval", type=float, default=d.health_interval_s, metavar="S", help="probing backends that are down"
+    )
+    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s, metavar="S", help="one /health probe")
+    p.add_argument(
+        "--connect-retries",
+        type=int,
+        default=d.connect_retries,
+        metavar="N",
+        help="other backends of the kind to try when connecting fails",
+    )
+    p.add_argument(
+        "--max-inflight", type=int, default=d.max_inflight, metavar="N", help="client requests at once (0: no limit)"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="N", help="largest request body")
+    p.add_argument(
+        "--max-connections", type=int, default=d.max_connections, metavar="N", help="to all backends together"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request")
 

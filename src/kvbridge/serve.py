@@ -7,11 +7,15 @@
 `--role` picks the connector's kv_role (prefill: kv_producer, decode: kv_consumer, both: kv_both); the
 `--kv-transfer-config` is built from the flags (`--side-channel-port`, `--lease-s`, `--kv-extra KEY=VALUE` for any
 other `kv_connector_extra_config` key, checked before vLLM starts). Arguments after `--` go to vLLM unchanged.
-The transport stays on loopback unless the environment says otherwise: `VLLM_HOST_IP`, `UCX_NET_DEVICES=lo` and
-`UCX_TLS=self,sm,cma,tcp` are set only where unset. On vLLM's CPU build the defaults of `kvbridge.servers` apply:
-`--enforce-eager` for one pipeline stage, the eager-backend compilation config for PP > 1 (vLLM's eager PP bug on
-CPU), unless the vLLM arguments choose; `--cpu-bind` and `--kv-cache-gib` set `VLLM_CPU_OMP_THREADS_BIND` and
-`VLLM_CPU_KVCACHE_SPACE`.
+Transport settings are added only where the environment leaves them unset: `VLLM_HOST_IP` (the `--host`,
+unless it is a wildcard: vLLM then picks this machine's address, which the connector advertises),
+`UCX_NET_DEVICES=lo` when `--host` is a loopback address (the default: everything stays on this machine), and on
+vLLM's CPU build `UCX_TLS=self,sm,cma,tcp` (on GPUs the connector's `ucx_tls: auto` lets UCX pick
+cuda_ipc/cuda_copy). To serve other hosts, pass `--host 0.0.0.0 --kv-extra side_channel_host=0.0.0.0` (and
+`advertise_host` if needed); UCX then picks the network. On vLLM's CPU build the defaults of `kvbridge.servers`
+apply: `--enforce-eager` for one pipeline stage, the eager-backend compilation config for PP > 1 (vLLM's eager PP
+bug on CPU), unless the vLLM arguments choose; `--cpu-bind` and `--kv-cache-gib` set `VLLM_CPU_OMP_THREADS_BIND`
+and `VLLM_CPU_KVCACHE_SPACE`.
 
 The process handling is `kvbridge.servers.VllmServer`'s: the server runs in its own session with its output in a
 log file, which is echoed here; Ctrl-C or SIGTERM stops its whole process tree.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import ipaddress
 import json
 import os
 import shlex
@@ -38,7 +43,7 @@ from kvbridge.servers import PP_COMPILATION_CONFIG, VllmServer
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200, "both": 8000}
-LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "self,sm,cma,tcp"}
+CPU_UCX_TLS = "self,sm,cma,tcp"  # tcp is what lets UCX detect a dead peer
 # vLLM options that `kvbridge serve` sets from its own flags.
 OWN_OPTIONS = {
     "--model": "--model",
@@ -153,14 +158,24 @@ class ServeSpec:
 
     def environment(self, current: Mapping[str, str]) -> dict[str, str]:
         """The variables to add to `current` (the user's own settings win)."""
-        wanted = {"VLLM_HOST_IP": "127.0.0.1" if self.host in _WILDCARDS else self.host, **LOOPBACK_ENV}
+        wanted = {} if self.host in _WILDCARDS else {"VLLM_HOST_IP": self.host}
+        if _is_loopback(self.host):
+            wanted["UCX_NET_DEVICES"] = "lo"
         wanted["PYTHONUNBUFFERED"] = "1"  # the log is echoed as it is written
         if self.platform == "cpu":
+            wanted["UCX_TLS"] = CPU_UCX_TLS
             if self.cpu_bind is not None:
                 wanted["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
             if self.kv_cache_gib is not None:
                 wanted["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_gib:g}"
         return {k: v for k, v in wanted.items() if k not in current}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def detect_platform() -> str:
