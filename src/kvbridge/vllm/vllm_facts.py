@@ -18,15 +18,18 @@ def engine_layout(vllm_config: VllmConfig) -> tuple[ParallelLayout, int]:
 
     pc = vllm_config.parallel_config
     partition = envs.VLLM_PP_LAYER_PARTITION
-    layout = ParallelLayout(
-        pp=pc.pipeline_parallel_size,
-        tp=pc.tensor_parallel_size,
-        dp=pc.data_parallel_size,
-        layer_partition=tuple(int(x) for x in partition.split(",")) if partition else None,
-    )
     dp_rank = getattr(pc, "data_parallel_index", None)
     if dp_rank is None:
         dp_rank = pc.data_parallel_rank
+    # vLLM runs each DP rank of a dense model as an independent engine and resets data_parallel_size to 1
+    # there (reconfigure_for_independent_dp_rank); only data_parallel_index keeps the rank. Ports depend on
+    # the rank alone, so the engine's own view of dp only needs to contain it.
+    layout = ParallelLayout(
+        pp=pc.pipeline_parallel_size,
+        tp=pc.tensor_parallel_size,
+        dp=max(pc.data_parallel_size, int(dp_rank) + 1),
+        layer_partition=tuple(int(x) for x in partition.split(",")) if partition else None,
+    )
     return layout, int(dp_rank)
 
 
