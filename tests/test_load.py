@@ -1,0 +1,114 @@
+"""Load through the proxy: 500 requests at concurrency 32 against a prefill PP=2 / decode PP=1 pair.
+
+Every answer must equal the aggregated run of its prompt, and afterwards both servers' KV cache usage must be
+back to its baseline: no request leaks blocks on either side (held prefill blocks are freed by the decode
+side's notifications, decode blocks when requests finish).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics
+from kvbridge.tiny_model import build_tiny_model
+from kvbridge.transfer_demo import free_base_port
+
+pytestmark = pytest.mark.vllm
+
+REQUESTS, CONCURRENCY, DISTINCT = 500, 32, 50
+
+
+def kv(role: str) -> dict:
+    return {
+        "kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"side_channel_port": free_base_port(2), "lease_s": 60},
+    }
+
+
+def usage(server: VllmServer) -> float:
+    return metric_sum(metrics(server.url), "vllm:kv_cache_usage_perc")
+
+
+def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    prefill = VllmServer(
+        model,
+        port=free_port(),
+        pp=2,
+        cpu_bind="0|0",
+        kv_transfer_config=kv("kv_producer"),
+        name="load-prefill",
+        log_path=tmp_path / "prefill.log",
+    )
+    decode = VllmServer(
+        model,
+        port=free_port(),
+        cpu_bind="1",
+        kv_transfer_config=kv("kv_consumer"),
+        name="load-decode",
+        log_path=tmp_path / "decode.log",
+    )
+    proxy = None
+    with prefill, decode, ThreadPoolExecutor(CONCURRENCY) as pool:
+        list(pool.map(lambda s: s.wait_ready(600), (prefill, decode)))
+        port = free_port()
+        proxy = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbridge.cli",
+                "proxy",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    metrics(url)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline and proxy.poll() is None, "the proxy did not start"
+                    time.sleep(0.2)
+            rng = random.Random(5)
+            prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(20, 400))] for _ in range(DISTINCT)]
+            references = list(pool.map(lambda p: complete(prefill.url, p, 8)["choices"][0]["token_ids"], prompts))
+            base_p, base_d = usage(prefill), usage(decode)
+            order = [i % DISTINCT for i in range(REQUESTS)]
+            rng.shuffle(order)
+            t0 = time.monotonic()
+            answers = list(
+                pool.map(lambda i: complete(url, prompts[i], 8, timeout=300)["choices"][0]["token_ids"], order)
+            )
+            elapsed = time.monotonic() - t0
+            wrong = sum(answers[k] != references[i] for k, i in enumerate(order))
+            assert wrong == 0, f"{wrong} of {REQUESTS} answers differ from the aggregated run"
+            print(f"\n{REQUESTS} requests at concurrency {CONCURRENCY} in {elapsed:.1f} s")
+            ok = False
+            for _ in range(60):
+                if usage(prefill) == base_p and usage(decode) == base_d:
+                    ok = True
+                    break
+                time.sleep(0.5)
+            assert ok, (
+                f"blocks leaked: prefill usage {usage(prefill)} (was {base_p}), decode {usage(decode)} ({base_d})"
+            )
+        finally:
+            proxy.terminate()
+            proxy.wait(10)
