@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q nixl-cu12==1.5.1
 	$(BIN)/python -m pip install -q --no-deps nixl==1.5.1
 	$(BIN)/python -m pip install -q -e '.[test]'
+	command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)  # test hosts (netns)
 	$(BIN)/python -c "import torch, vllm, nixl._api, msgspec, zmq, kvbridge; print('environment ready: torch', torch.__version__)"
 	touch $(STAMP)
 

@@ -23,6 +23,7 @@ from kvbridge import wire
 from kvbridge.config import BridgeConfig
 from kvbridge.descriptors import Descriptors, worker_descriptors
 from kvbridge.errors import KVBridgeError, RequestParamsError
+from kvbridge.host import host_id
 from kvbridge.identity import WorkerIdentity
 from kvbridge.memory import WorkerMemory
 from kvbridge.params import PrefillDone
@@ -253,10 +254,19 @@ class DecodeWorker:
                 timeout_s=self.config.handshake_timeout_s,
                 retries=self.config.handshake_retries,
             )
+            same_host = reply.host_id == host_id()
             agent = self.transport.add_peer(reply.agent_metadata)
             peers[rank] = _Peer(agent, reply.memory.to_core())
         self._engines[key] = peers
-        logger.info("kvbridge decode %s connected to %d workers of %s", ident, len(peers), source.remote_engine_id)
+        logger.info(
+            "kvbridge decode %s connected to %d workers of %s at %s (%s; UCX_TLS=%s)",
+            ident,
+            len(peers),
+            source.remote_engine_id,
+            source.remote_host,
+            "same host: shared memory/CMA usable" if same_host else "another host: network transports only",
+            self.transport.ucx_env.get("UCX_TLS", "UCX default"),
+        )
         return peers
 
     def _claim(self, job: LoadJob, ranks: list[WorkerRank]) -> None:

@@ -16,6 +16,7 @@ import time
 from kvbridge import wire
 from kvbridge.config import BridgeConfig
 from kvbridge.errors import ProtocolError, TransferError
+from kvbridge.host import host_id
 from kvbridge.identity import WorkerIdentity
 from kvbridge.leases import LeaseBook
 from kvbridge.memory import WorkerMemory
@@ -68,6 +69,7 @@ class PrefillWorker:
             self.transport.name,
             self.transport.agent_metadata(),
             self.memory,
+            host_id=host_id(),
         )
         self._server = SideChannelServer(
             self.port, handshake_handler(reply, self._answer), host=self.config.side_channel_host

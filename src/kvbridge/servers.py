@@ -108,6 +108,8 @@ class VllmServer:
         log_path: str | os.PathLike[str] | None = None,
         name: str = "vllm",
         python: str = sys.executable,
+        host: str = HOST,
+        netns: str | None = None,
     ) -> None:
         self.model = Path(model)
         self.port = port
@@ -126,6 +128,8 @@ class VllmServer:
         self.log_path = Path(log_path) if log_path is not None else None
         self.name = name
         self.python = python
+        self.host = host
+        self.netns = netns
         self.process: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
@@ -139,18 +143,19 @@ class VllmServer:
     def url(self) -> str:
         if self.port is None:
             raise ServerError(f"{self.name}: no port yet (call start())")
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        """The server's command line (the port must be known)."""
+        """The server's command line (the port must be known); inside `netns` when one is given."""
         cmd = [
+            *(["ip", "netns", "exec", self.netns] if self.netns else []),
             self.python,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
             str(self.model),
             "--host",
-            HOST,
+            self.host,
             "--port",
             str(self.port),
             "--dtype",
@@ -184,7 +189,7 @@ class VllmServer:
         """Our environment plus what keeps vLLM (and NIXL/UCX) on loopback and on its cores."""
         env = dict(os.environ)
         env.update(
-            VLLM_HOST_IP=HOST,
+            VLLM_HOST_IP=self.host,
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
             VLLM_CPU_OMP_THREADS_BIND=self.cpu_bind or cpu_binding(self.num_workers, offset=self.cpu_offset),

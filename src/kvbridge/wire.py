@@ -257,6 +257,8 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     agent_name: str
     agent_metadata: bytes
     memory: Memory
+    host_id: str = ""
+    """Which machine and network namespace the worker runs in (see `kvbridge.host.host_id`), for logs."""
 
     def __post_init__(self) -> None:
         _check_worker(self)
@@ -274,6 +276,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         agent_name: str,
         agent_metadata: bytes,
         memory: mem.WorkerMemory,
+        host_id: str = "",
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -284,6 +287,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             agent_name=agent_name,
             agent_metadata=agent_metadata,
             memory=Memory.from_core(memory),
+            host_id=host_id,
         )
 
     def page_format(self) -> tuple[int, int]:

@@ -1,0 +1,23 @@
+"""Which host a worker runs on, as far as transports care: the same kernel boot and network namespace."""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import cache
+
+
+@cache
+def host_id() -> str:
+    """`hostname/boot id/network namespace`: equal on both sides only when they share a machine and a network
+    stack, i.e. when UCX's shared-memory and CMA transports can reach the peer."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = "?"
+    return f"{socket.gethostname()}/{boot}/{netns}"

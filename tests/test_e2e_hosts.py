@@ -1,0 +1,129 @@
+"""Prefill and decode on different hosts: network namespaces joined by veth, KV over TCP on the veth.
+
+The prefill server (PP=2) runs in one namespace, the decode server in another, the test client in the root
+namespace. UCX is limited to TCP on each host's own device (no shared memory, CMA or CUDA IPC between hosts),
+so the KV must cross the link: the prefill host's transmitted bytes are checked against the KV size. Then the
+prefill host's link is cut in the middle of a request: the decode side recomputes within a bounded time, the
+prefill side frees the held blocks when the lease expires, and requests succeed again once the link is back.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from hosts import network_hosts
+from kvbridge.servers import VllmServer, complete, metric_sum, metrics
+from kvbridge.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.vllm
+
+LEASE_S = 8.0
+if shutil.which("ip") is None:  # the Makefile installs iproute2; fail loudly rather than skip
+    raise RuntimeError("these tests need iproute2 (`ip`)")
+
+
+def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
+    extra = {"side_channel_host": host.ip, "side_channel_port": 5600, "lease_s": LEASE_S}
+    if role == "kv_consumer":
+        extra.update(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0)
+    return VllmServer(
+        model,
+        port=8000,
+        pp=pp,
+        cpu_bind=cores,
+        host=host.ip,
+        netns=host.netns,
+        env={"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": host.device, "VLLM_HOST_IP": host.ip},
+        kv_transfer_config={
+            "kv_connector": "KVBridgeConnector",
+            "kv_connector_module_path": "kvbridge.vllm",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        },
+        name=f"{role}-{host.name}",
+        log_path=log,
+    )
+
+
+def usage(s: VllmServer) -> float:
+    return metric_sum(metrics(s.url), "vllm:kv_cache_usage_perc")
+
+
+def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    with network_hosts("prefill", "decode") as hosts:
+        ph, dh = hosts["prefill"], hosts["decode"]
+        prefill = server(model, ph, "kv_producer", 2, "0|0", tmp_path / "prefill.log")
+        decode = server(model, dh, "kv_consumer", 1, "1", tmp_path / "decode.log")
+        with prefill, decode, ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda s: s.wait_ready(600), (prefill, decode)))
+            rng = random.Random(11)
+            kv_bytes_per_block = 4 * 4 * 128 * 64 * 4  # layers x KV heads x block tokens x (K+V) dims x fp32
+            for n in (200, 300, 380):
+                prompt = [rng.randrange(1, 1000) for _ in range(n)]
+                params = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})[
+                    "kv_transfer_params"
+                ]
+                assert params["remote_host"] == ph.ip, "the prefill side must advertise its reachable address"
+                sent = ph.tx_bytes()
+                t0 = time.monotonic()
+                tokens = complete(decode.url, prompt, 8, kv_transfer_params=params)["choices"][0]["token_ids"]
+                elapsed = time.monotonic() - t0
+                over_link = ph.tx_bytes() - sent
+                assert tokens == complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+                kv = len(params["remote_block_ids"]) * kv_bytes_per_block
+                assert over_link >= kv, f"only {over_link} bytes left the prefill host for {kv} bytes of KV"
+                print(f"\n{n} tokens: {kv} KV bytes, {over_link} bytes over the veth, decode request {elapsed:.3f} s")
+            m = metrics(decode.url)
+            assert metric_sum(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 880
+
+            # Cut the prefill host off between the prefill leg and the decode leg.
+            baseline = usage(prefill)
+            prompt = [rng.randrange(1, 1000) for _ in range(300)]
+            params = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})[
+                "kv_transfer_params"
+            ]
+            reference = complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+            assert usage(prefill) > baseline
+            subprocess_ip("link", "set", ph.link, "down")
+            try:
+                t0 = time.monotonic()
+                tokens = complete(decode.url, prompt, 8, kv_transfer_params=params, timeout=120)["choices"][0][
+                    "token_ids"
+                ]
+                elapsed = time.monotonic() - t0
+            finally:
+                subprocess_ip("link", "set", ph.link, "up")
+            assert tokens == reference, "the decode side must recompute when the prefill host is unreachable"
+            assert elapsed < 30, f"a cut link held the request for {elapsed:.1f} s"
+            print(f"cut link: recomputed in {elapsed:.1f} s")
+            deadline = time.monotonic() + LEASE_S + 15
+            while usage(prefill) != baseline and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert usage(prefill) == baseline, "the prefill host leaked the unread request's blocks"
+            assert usage(decode) == 0.0
+
+            # The link is back: transfers work again.
+            prompt = [rng.randrange(1, 1000) for _ in range(250)]
+            before = metric_sum(
+                metrics(decode.url), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+            )
+            params = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})[
+                "kv_transfer_params"
+            ]
+            tokens = complete(decode.url, prompt, 8, kv_transfer_params=params)["choices"][0]["token_ids"]
+            assert tokens == complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+            after = metric_sum(metrics(decode.url), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+            assert after - before == len(prompt), "after the link came back the KV should be transferred again"
+
+
+def subprocess_ip(*args: str) -> None:
+    import subprocess
+
+    subprocess.run(["ip", *args], check=True)
