@@ -23,6 +23,7 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
 import msgspec
@@ -53,10 +54,16 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def layout(self) -> ParallelLayout:
-        return ParallelLayout.parse(self.remote_layout)
+        return _parse_layout(self.remote_layout)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_layout(text: str) -> ParallelLayout:
+    """Deployments use a handful of layouts; parsing each once keeps the scheduler's per-request cost low."""
+    return ParallelLayout.parse(text)
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

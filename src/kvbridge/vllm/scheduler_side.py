@@ -36,6 +36,7 @@ class SchedulerSide:
         self.is_consumer = bool(kv.is_kv_consumer)
         self.host = advertised_host(config)
         self._meta = KVBridgeMetadata()
+        self._sources: dict[str, PrefillDone] = {}  # parsed once per request, between match and alloc
 
     # -- decode role ---------------------------------------------------------------------------------
 
@@ -44,6 +45,9 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not (self.is_consumer and wants_remote_prefill(params)):
             return None
+        cached = self._sources.get(request.request_id)
+        if cached is not None:
+            return cached
         try:
             source = parse_prefill_done(params)
         except RequestParamsError as exc:
@@ -60,6 +64,7 @@ class SchedulerSide:
             )
             params["do_remote_prefill"] = False
             return None
+        self._sources[request.request_id] = source
         return source
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -75,6 +80,7 @@ class SchedulerSide:
         if source is None:
             return
         request.kv_transfer_params["do_remote_prefill"] = False  # one load per request
+        self._sources.pop(request.request_id, None)
         block_ids = blocks.get_block_ids()[0]
         prompt = len(request.prompt_token_ids or ())
         first = (prompt - num_external_tokens) // self.block_size  # blocks already cached here
@@ -96,6 +102,7 @@ class SchedulerSide:
         if self.is_consumer and wants_remote_prefill(params):
             # Finished (aborted) before its load was scheduled: the prefill side still holds the blocks.
             source = self._source(request)
+            self._sources.pop(request.request_id, None)
             params["do_remote_prefill"] = False
             if source is not None:
                 self._meta.releases.append(LoadJob(request.request_id, source, (), (), report=False))
