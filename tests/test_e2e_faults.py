@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics
+from kvbridge.servers import RequestFailed, VllmServer, complete, free_port, metric_sum, metrics
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -22,12 +22,12 @@ SOURCE = "vllm:prompt_tokens_by_source_total"
 LEASE_S = 4.0
 
 
-def config(role: str, port: int, **extra) -> dict:
+def config(role: str, port: int, policy: str = "recompute", **extra) -> dict:
     return {
         "kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "kvbridge.vllm",
         "kv_role": role,
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"side_channel_port": port, **extra},
     }
 
@@ -55,15 +55,23 @@ def pair(tmp_path_factory):
         name="decode",
         log_path=root / "decode.log",
     )
+    strict = VllmServer(
+        model,
+        port=free_port(),
+        cpu_bind="1",
+        kv_transfer_config=config("kv_consumer", free_base_port(1), policy="fail", handshake_timeout_s=1.0),
+        name="decode-fail",
+        log_path=root / "decode-fail.log",
+    )
     try:
-        prefill.start()
-        decode.start()
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.wait_ready(600), (prefill, decode)))
-        yield prefill, decode
+        for server in (prefill, decode, strict):
+            server.start()
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda s: s.wait_ready(600), (prefill, decode, strict)))
+        yield prefill, decode, strict
     finally:
-        decode.stop()
-        prefill.stop()
+        for server in (strict, decode, prefill):
+            server.stop()
 
 
 def kv_usage(server: VllmServer) -> float:
@@ -85,7 +93,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def test_unread_request_is_freed_when_its_lease_expires(pair):
-    prefill, _ = pair
+    prefill, _, _ = pair
     baseline = kv_usage(prefill)
     params = complete(prefill.url, prompt(1, 300), 1, kv_transfer_params={"do_remote_decode": True})
     assert params["kv_transfer_params"]["remote_block_ids"]
@@ -95,7 +103,7 @@ def test_unread_request_is_freed_when_its_lease_expires(pair):
 
 
 def test_read_request_is_freed_as_soon_as_decode_notifies(pair):
-    prefill, decode = pair
+    prefill, decode, _ = pair
     baseline = kv_usage(prefill)
     p = prompt(2, 260)
     first = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})
@@ -106,7 +114,7 @@ def test_read_request_is_freed_as_soon_as_decode_notifies(pair):
 
 
 def test_decode_prefix_hit_reads_only_the_missing_blocks(pair):
-    prefill, decode = pair
+    prefill, decode, _ = pair
     shared = prompt(3, 256)  # two full 128-token blocks
     a, b = shared + prompt(4, 60), shared + prompt(5, 90)
     for full in (a, b):
@@ -128,7 +136,7 @@ def test_decode_prefix_hit_reads_only_the_missing_blocks(pair):
 
 
 def test_transfer_metrics_reach_prometheus(pair):
-    _, decode = pair
+    _, decode, _ = pair
     assert wait_for(lambda: metric_sum(metrics(decode.url), "vllm:kvbridge_transfers_total") >= 1, 15)
     m = metrics(decode.url)
     assert metric_sum(m, "vllm:kvbridge_bytes_total") > 0
@@ -151,7 +159,7 @@ def decode_with(decode: VllmServer, p: list[int], params: dict) -> tuple[list[in
 def test_reused_params_never_read_freed_blocks(pair):
     """A second decode request with params whose blocks were already read and freed is refused by the prefill
     worker and recomputed, instead of reading blocks that may now hold another request's KV."""
-    prefill, decode = pair
+    prefill, decode, _ = pair
     p = prompt(8, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
     reference = complete(prefill.url, p, 8)["choices"][0]["token_ids"]
@@ -166,7 +174,7 @@ def test_reused_params_never_read_freed_blocks(pair):
 
 
 def test_block_ids_not_the_requests_are_refused(pair):
-    prefill, decode = pair
+    prefill, decode, _ = pair
     p = prompt(11, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
     forged = dict(params, remote_block_ids=[b + 50 for b in params["remote_block_ids"]])
@@ -175,8 +183,22 @@ def test_block_ids_not_the_requests_are_refused(pair):
     assert computed >= len(p), "the refused load must be recomputed locally"
 
 
+def test_failed_load_under_fail_policy_is_a_clear_error(pair):
+    """With kv_load_failure_policy=fail a load that cannot be done ends the request with an error (not a hang,
+    not someone else's KV), and the decode server keeps serving."""
+    prefill, _, strict = pair
+    p = prompt(12, 300)
+    params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    forged = dict(params, remote_block_ids=[b + 60 for b in params["remote_block_ids"]])
+    t0 = time.monotonic()
+    with pytest.raises(RequestFailed) as failed:
+        complete(strict.url, p, 8, kv_transfer_params=forged, timeout=60)
+    assert failed.value.status >= 500 and time.monotonic() - t0 < 30
+    assert complete(strict.url, prompt(13, 40), 4)["choices"][0]["token_ids"]
+
+
 def test_dead_prefill_is_recomputed_and_decode_keeps_serving(pair):
-    prefill, decode = pair
+    prefill, decode, _ = pair
     p = prompt(6, 300)
     first = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})
     reference = complete(prefill.url, p, 8)["choices"][0]["token_ids"]
