@@ -197,6 +197,20 @@ def test_failed_load_under_fail_policy_is_a_clear_error(pair):
     assert complete(strict.url, prompt(13, 40), 4)["choices"][0]["token_ids"]
 
 
+def test_killed_decode_server_leaks_no_prefill_blocks(pair):
+    """The decode server dies while its request waits for the KV: the prefill server frees the held blocks
+    when the lease expires."""
+    prefill, _, strict = pair
+    baseline = kv_usage(prefill)
+    p = prompt(14, 300)
+    params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    assert kv_usage(prefill) > baseline
+    strict.stop(grace=0.5)
+    with pytest.raises(OSError):
+        complete(strict.url, p, 8, kv_transfer_params=params, timeout=10)
+    assert wait_for(lambda: kv_usage(prefill) == baseline, LEASE_S + 10), "the prefill server leaked blocks"
+
+
 def test_dead_prefill_is_recomputed_and_decode_keeps_serving(pair):
     prefill, decode, _ = pair
     p = prompt(6, 300)
