@@ -52,6 +52,7 @@ def pair(tmp_path_factory):
         kv_transfer_config=config(
             "kv_consumer", free_base_port(1), handshake_timeout_s=1.0, handshake_retries=1, transfer_timeout_s=10.0
         ),
+        extra_args=["--max-num-seqs", "1"],  # lets a test keep a request waiting, unscheduled
         name="decode",
         log_path=root / "decode.log",
     )
@@ -133,6 +134,30 @@ def test_decode_prefix_hit_reads_only_the_missing_blocks(pair):
             assert (moved, hit) == (len(a), 0)
         else:
             assert (moved, hit) == (len(b) - 256, 256), "the second request should read only its new blocks"
+
+
+def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
+    """A decode request aborted while it still waits to be scheduled never reads; the decode side tells the
+    prefill workers so, and they free the blocks at once instead of at lease expiry."""
+    prefill, decode, _ = pair
+    baseline = kv_usage(prefill)
+    expired = metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total")
+    p = prompt(15, 300)
+    params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    assert kv_usage(prefill) > baseline
+    with ThreadPoolExecutor(1) as pool:
+        # The only sequence slot is busy with a long generation, so the PD request waits unscheduled...
+        busy = pool.submit(complete, decode.url, prompt(16, 20), 400, None, 120, ignore_eos=True)
+        time.sleep(0.5)
+        # ...and its client gives up: vLLM aborts it before its load was ever scheduled.
+        with pytest.raises(OSError):
+            complete(decode.url, p, 8, kv_transfer_params=params, timeout=0.5)
+        t0 = time.monotonic()
+        assert wait_for(lambda: kv_usage(prefill) == baseline, LEASE_S / 2), "blocks held until the lease"
+        freed_after = time.monotonic() - t0
+        busy.result()
+    assert freed_after < LEASE_S / 2
+    assert metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total") == expired
 
 
 def test_transfer_metrics_reach_prometheus(pair):
