@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -20,12 +20,7 @@ pytestmark = pytest.mark.vllm
 
 
 def kv(role: str) -> dict:
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_connector_module_path": "kvbridge.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"side_channel_port": free_base_port(2)},
-    }
+    return kvbridge_config(role, side_channel_port=free_base_port(2))
 
 
 def test_dp2_prefill_to_dp2_decode(tmp_path):

@@ -12,7 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import RequestFailed, VllmServer, complete, free_port, metric_sum, metrics
+from kvbridge.servers import (
+    RequestFailed,
+    VllmServer,
+    complete,
+    free_port,
+    kvbridge_config,
+    metric_sum,
+    metrics,
+)
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -23,13 +31,7 @@ LEASE_S = 4.0
 
 
 def config(role: str, port: int, policy: str = "recompute", **extra) -> dict:
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_connector_module_path": "kvbridge.vllm",
-        "kv_role": role,
-        "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"side_channel_port": port, **extra},
-    }
+    return kvbridge_config(role, policy, side_channel_port=port, **extra)
 
 
 @pytest.fixture(scope="module")

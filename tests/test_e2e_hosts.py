@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hosts import network_hosts
-from kvbridge.servers import VllmServer, complete, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, kvbridge_config, metric_sum, metrics
 from kvbridge.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -39,13 +39,7 @@ def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
         host=host.ip,
         netns=host.netns,
         env={"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": host.device, "VLLM_HOST_IP": host.ip},
-        kv_transfer_config={
-            "kv_connector": "KVBridgeConnector",
-            "kv_connector_module_path": "kvbridge.vllm",
-            "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
-        },
+        kv_transfer_config=kvbridge_config(role, "recompute", **extra),
         name=f"{role}-{host.name}",
         log_path=log,
     )

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -37,12 +37,7 @@ SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 def kv_config(base_port: int, lease_s: float = 30.0) -> dict:
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_connector_module_path": "kvbridge.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"side_channel_port": base_port, "lease_s": lease_s},
-    }
+    return kvbridge_config("kv_both", side_channel_port=base_port, lease_s=lease_s)
 
 
 @pytest.fixture(scope="module")

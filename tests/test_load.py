@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -25,12 +25,7 @@ REQUESTS, CONCURRENCY, DISTINCT = 500, 32, 50
 
 
 def kv(role: str) -> dict:
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_connector_module_path": "kvbridge.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"side_channel_port": free_base_port(2), "lease_s": 60},
-    }
+    return kvbridge_config(role, side_channel_port=free_base_port(2), lease_s=60)
 
 
 def usage(server: VllmServer) -> float:

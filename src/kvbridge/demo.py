@@ -18,7 +18,15 @@ import threading
 import time
 from pathlib import Path
 
-from kvbridge.servers import VllmServer, complete, complete_streaming, free_port, metric_sum, metrics
+from kvbridge.servers import (
+    VllmServer,
+    complete,
+    complete_streaming,
+    free_port,
+    kvbridge_config,
+    metric_sum,
+    metrics,
+)
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.topology import ParallelLayout
 from kvbridge.transfer_demo import free_base_port
@@ -52,12 +60,7 @@ def _server(name: str, model: Path, layout: ParallelLayout, side: int, workdir: 
         pp=layout.pp,
         tp=layout.tp,
         cpu_bind=_cores(layout.workers_per_engine, side),
-        kv_transfer_config={
-            "kv_connector": "KVBridgeConnector",
-            "kv_connector_module_path": "kvbridge.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"side_channel_port": free_base_port(layout.workers_per_engine)},
-        },
+        kv_transfer_config=kvbridge_config("kv_both", side_channel_port=free_base_port(layout.workers_per_engine)),
         name=name,
         log_path=workdir / f"{name}.log",
     )

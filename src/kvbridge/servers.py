@@ -490,3 +490,17 @@ def complete_streaming(
     except urllib.error.HTTPError as err:
         raise RequestFailed(request.full_url, err.code, err.read().decode(errors="replace")) from None
     return tokens, first if first is not None else time.monotonic() - start
+
+
+def kvbridge_config(role: str = "kv_both", policy: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The --kv-transfer-config for KVBridgeConnector: `role` is vLLM's kv_role, `policy` its
+    kv_load_failure_policy, `extra` becomes kv_connector_extra_config (see kvbridge.config.BridgeConfig)."""
+    config: dict[str, Any] = {
+        "kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return config
