@@ -140,11 +140,21 @@ class DecodeWorker:
             if job is None:
                 return
             with self._nixl:
-                if job:
-                    backoff.reset()
-                    self._start(job)
-                else:
-                    self._poll()
+                try:
+                    if job:
+                        backoff.reset()
+                        self._start(job)
+                    else:
+                        self._poll()
+                except Exception:
+                    # A bug must not kill the thread and leave every later load hanging (_poll guards each
+                    # active load itself; this catches a job that failed before it became active).
+                    logger.exception("kvbridge decode %s: transfer thread error", self.identity)
+                    if job and not self._has(job):
+                        self._finish(job, False, "internal error in the transfer thread (see log)")
+
+    def _has(self, job: LoadJob) -> bool:
+        return any(a.job is job for a in self._active)
 
     def _finish(self, job: LoadJob, ok: bool, error: str = "") -> None:
         logger.info("kvbridge decode %s: %s %s", self.identity.rank, job.request_id, "loaded" if ok else "failed")
@@ -200,7 +210,9 @@ class DecodeWorker:
         for active in self._active:
             try:
                 done = all(self.transport.poll(t) for t in active.transfers)
-            except KVBridgeError as exc:
+            except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on
+                if not isinstance(exc, KVBridgeError):
+                    logger.exception("kvbridge decode %s: polling failed", self.identity)
                 self._release(active)
                 self._forget(active.job.source)
                 self._finish(active.job, False, str(exc))

@@ -111,6 +111,8 @@ class PrefillWorker:
         if self._progress_lock.acquire(blocking=False):
             try:
                 self._progress()
+            except Exception:  # never raise into vLLM's step; the background thread retries
+                logger.exception("kvbridge prefill %s: progress error", self.identity)
             finally:
                 self._progress_lock.release()
         with self._lock:
@@ -130,7 +132,11 @@ class PrefillWorker:
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._progress_lock:
-                active = self._progress()
+                try:
+                    active = self._progress()
+                except Exception:  # keep serving: leases still expire on later rounds
+                    logger.exception("kvbridge prefill %s: progress error", self.identity)
+                    active = False
             if active:
                 self._backoff.reset()
             # Wait for work; poll quickly while requests are held (readers need our progress).
