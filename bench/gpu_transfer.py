@@ -49,6 +49,7 @@ import gpu_peer_gather as gather  # noqa: E402
 from kvbridge.descriptors import Descriptors, worker_descriptors  # noqa: E402
 from kvbridge.memory import NAMED_LAYOUTS, WorkerMemory, synthesize_memory  # noqa: E402
 from kvbridge.plan import TransferPlan, make_plan  # noqa: E402
+from kvbridge.segments import worker_segments  # noqa: E402
 from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
 from kvbridge.transport import Backoff, NixlTransport, TransportConfig  # noqa: E402
 
@@ -183,6 +184,10 @@ def prefill_main(args, cmd_q, resp_q) -> None:
             backoff.reset()
             if cmd == "ipc":
                 resp_q.put(("ipc", bufs))
+            elif cmd == "ipc-handles":
+                from kvbridge.cuda_ipc import export_region
+
+                resp_q.put(("ipc-handles", {key: export_region(buf) for key, buf in bufs.items()}))
             elif cmd == "stop":
                 resp_q.put(("stopped", {"notifications": notifications}))
                 return
@@ -474,6 +479,119 @@ class Bench:
                 case["kernel"] = {**case[best], "variant": best}
             self.log(short_line(case))
 
+    def gather_fn(self, kernels: list, sb: np.ndarray, db: np.ndarray, devices: tuple):
+        def run() -> dict:
+            sync(*devices)
+            t0 = time.perf_counter()
+            ids = kernels[0].block_ids(sb, db)  # one upload: the kernels share the request's block ids
+            for k in kernels:
+                k.launch(ids)
+            sync(*devices)
+            return {"s": time.perf_counter() - t0}
+
+        return run
+
+    def phase_gather(self, sources: dict) -> None:
+        """kvbridge.gpu_gather: segments once per peer, then per request two block-id lists and one launch per
+        (decode worker, prefill worker); the prefill buffers are `sources` (IPC-opened tensors)."""
+        from kvbridge.gpu_gather import GatherKernel
+
+        src_bases = {k: v for k, v in self.prefill_ptrs.items()}
+        for key in self.case_list():
+            pair, layout, tokens, pattern = key
+            case = self.cases.setdefault(key, {"pair": pair, "layout": layout, "tokens": tokens, "pattern": pattern})
+            sb, db = self.request(tokens, pattern)
+            nbytes = self.request_bytes(tokens)
+            case.update(blocks=len(sb), bytes=nbytes)
+            if "copy" not in case:
+                case["copy"] = self.measure(self.copy_fn(nbytes))
+            ptext, dtext = PAIRS[pair]
+            plan = make_plan(ParallelLayout.parse(ptext), ParallelLayout.parse(dtext), self.g)
+            dst = self.memories(pair, layout, 1, {k: v.data_ptr() for k, v in self.dec.items()})
+            src = self.memories(pair, layout, 0, src_bases)
+            rec: dict = {"on": self.args.gather_on}
+            try:
+                t0 = time.perf_counter()
+                kernels, segments = [], 0
+                for r, dmem in dst.items():
+                    for pw, seg in worker_segments(plan, r, dmem, src).items():
+                        segments += len(seg)
+                        kernels.append(
+                            GatherKernel(
+                                seg,
+                                src[pw].regions,
+                                [sources[(ptext, pw)]],
+                                dmem.regions,
+                                [self.dec[(dtext, r)]],
+                            )
+                        )
+                rec.update(setup_s=time.perf_counter() - t0, launches=len(kernels), segments=segments)
+                rec["programs"] = segments * len(sb)
+                devices = (self.pdev, self.ddev)
+                rec.update(
+                    self.measure(
+                        self.gather_fn(kernels, sb, db, devices), pair, self.checker(pair, layout, plan, sb, db)
+                    )
+                )
+            except Exception:
+                rec["error"] = traceback.format_exc()
+                self.log(f"gather: {rec['error'].strip().splitlines()[-1]}")
+            case["gather"] = rec
+            if (
+                self.args.staged
+                and not self.args.sim_cpu
+                and layout == "LBNHC"
+                and ParallelLayout.parse(ptext).tp == ParallelLayout.parse(dtext).tp
+            ):
+                case["staged"] = self.measure(
+                    self.staged_fn(plan, pair, sb, db, sources), pair, self.checker(pair, layout, plan, sb, db)
+                )
+            self.log(short_line(case))
+
+    def staged_fn(self, plan: TransferPlan, pair: str, sb: np.ndarray, db: np.ndarray, sources: dict):
+        """Gather the request's pages into a staging buffer on the prefill GPU, copy it to the decode GPU, scatter
+        there: per chunk of layers, three streams, so that the chunks' stages overlap (equal TP, LBNHC only)."""
+        g, nb = self.g, self.args.blocks
+        ptext, dtext = PAIRS[pair]
+        page = g.block_size * g.num_kv_heads * 2 * g.head_size  # int16 elements of one block of one layer
+        players = ParallelLayout.parse(ptext)
+        sidx = torch.as_tensor(sb, device=self.pdev)
+        didx = torch.as_tensor(db, device=self.ddev)
+        steps = []  # (source view rows, destination view rows)
+        for r in ParallelLayout.parse(dtext).workers():
+            dl, _ = worker_shape(ParallelLayout.parse(dtext), g, r)
+            dview = self.dec[(dtext, r)].view(INT16).view(len(dl), nb, page)
+            for read in plan.reads_of(r):
+                pl, _ = worker_shape(players, g, read.prefill_worker)
+                sview = sources[(ptext, read.prefill_worker)].view(INT16).view(len(pl), nb, page)
+                for first in range(read.layers[0], read.layers[-1] + 1, self.args.staged_layers):
+                    end = min(first + self.args.staged_layers, read.layers[-1] + 1)
+                    steps.append((sview[first - pl.start : end - pl.start], dview[first - dl.start : end - dl.start]))
+        streams = [torch.cuda.Stream(self.pdev), torch.cuda.Stream(self.ddev), torch.cuda.Stream(self.ddev)]
+        stage0 = [torch.empty((s.shape[0], len(sb), page), dtype=INT16, device=self.pdev) for s, _ in steps]
+        stage1 = [torch.empty_like(t, device=self.ddev) for t in stage0]
+
+        def run() -> dict:
+            sync(self.pdev, self.ddev)
+            t0 = time.perf_counter()
+            for (s, d), a, b in zip(steps, stage0, stage1, strict=True):
+                with torch.cuda.stream(streams[0]):
+                    torch.index_select(s, 1, sidx, out=a)
+                    e0 = torch.cuda.Event()
+                    e0.record(streams[0])
+                with torch.cuda.stream(streams[1]):
+                    streams[1].wait_event(e0)
+                    b.copy_(a, non_blocking=True)
+                    e1 = torch.cuda.Event()
+                    e1.record(streams[1])
+                with torch.cuda.stream(streams[2]):
+                    streams[2].wait_event(e1)
+                    d.index_copy_(1, didx, b)
+            sync(self.pdev, self.ddev)
+            return {"s": time.perf_counter() - t0}
+
+        return run
+
 
 class CpuGather:
     """The kernel's stand-in for --sim-cpu: the same work items, copied with memmove."""
@@ -514,35 +632,40 @@ def cell(case: dict, variant: str, count: str = "descriptors") -> str:
     if "s" not in rec:
         return "skip" if "skipped" in rec else "ERR" if "error" in rec else "-"
     bad = "" if rec.get("ok", True) else "!BAD"
-    n = rec.get(count)
+    n = rec.get(count) if count else None
     return f"{gbps(case, variant):.0f}{bad}" + (f" ({n})" if n is not None else "")
 
 
 def short_line(case: dict) -> str:
     return (
         f"{case['pair']} {case['layout']} {case['tokens']} {case['pattern']}: copy {cell(case, 'copy')}"
-        f" nixl {cell(case, 'nixl')} nixl-blk {cell(case, 'nixl-blk')} kernel {cell(case, 'kernel', 'items')} GB/s"
+        f" nixl {cell(case, 'nixl')} nixl-blk {cell(case, 'nixl-blk')} kernel {cell(case, 'kernel', 'items')}"
+        f" gather {cell(case, 'gather', 'programs')} staged {cell(case, 'staged', None)} GB/s"
     )
 
 
 def table(cases: list[dict]) -> str:
     head = (
         f"{'pair':9}{'layout':6}{'tok':>4} {'blocks':8}{'MiB':>5}{'copy':>5} |{'nixl (descs)':>16}{'ms':>8}"
-        f" |{'nixl-blk (descs)':>16}{'ms':>8} |{'kernel (items)':>16}{'ms':>6}{'k-only':>7} | nixl kernel /copy"
+        f" |{'nixl-blk (descs)':>16}{'ms':>8} |{'kernel (items)':>16}{'ms':>6}{'k-only':>7}"
+        f" |{'gather (progs)':>16}{'ms':>6}{'staged':>7} | nixl kernel gather staged /copy"
     )
     lines = [head, "-" * len(head)]
     for c in cases:
-        ms = {v: (c.get(v) or {}).get("s") for v in ("nixl", "nixl-blk", "kernel")}
+        ms = {v: (c.get(v) or {}).get("s") for v in ("nixl", "nixl-blk", "kernel", "gather")}
         fmt = {v: f"{s * 1e3:8.2f}" if s else f"{'-':>8}" for v, s in ms.items()}
         copy = gbps(c, "copy")
-        ratio = {v: f"{gbps(c, v) / copy:.2f}" if gbps(c, v) and copy else "-" for v in ("nixl", "kernel")}
+        variants = ("nixl", "kernel", "gather", "staged")
+        ratio = {v: f"{gbps(c, v) / copy:.2f}" if gbps(c, v) and copy else "-" for v in variants}
         ks = (c.get("kernel") or {}).get("kernel_s")
         konly = f"{c['bytes'] / ks / 1e9:7.0f}" if ks else f"{'-':>7}"
         tok = f"{c['tokens'] // 1024}k" if c["tokens"] % 1024 == 0 else str(c["tokens"])
         lines.append(
             f"{c['pair']:9}{c['layout']:6}{tok:>4} {c['pattern'][:7]:8}{c['bytes'] / 2**20:5.0f}{(copy or 0):5.0f} |"
             f"{cell(c, 'nixl'):>16}{fmt['nixl']} |{cell(c, 'nixl-blk'):>16}{fmt['nixl-blk']} |"
-            f"{cell(c, 'kernel', 'items'):>16}{fmt['kernel'][2:]}{konly} | {ratio['nixl']:>4} {ratio['kernel']:>6}"
+            f"{cell(c, 'kernel', 'items'):>16}{fmt['kernel'][2:]}{konly} |"
+            f"{cell(c, 'gather', 'programs'):>16}{fmt['gather'][2:]}{cell(c, 'staged', None):>7} |"
+            f" {ratio['nixl']:>4} {ratio['kernel']:>6} {ratio['gather']:>6} {ratio['staged']:>6}"
         )
     return "\n".join(lines)
 
@@ -598,7 +721,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-nixl-descs", type=int, default=150_000, help="skip NIXL above this many descriptors")
     p.add_argument("--kernels", nargs="+", default=list(gather.CONFIGS), choices=list(gather.CONFIGS))
     p.add_argument("--no-nixl", dest="nixl", action="store_false")
-    p.add_argument("--no-kernel", dest="kernel", action="store_false")
+    p.add_argument("--no-kernel", dest="kernel", action="store_false", help="skip bench/gpu_peer_gather.py (CuPy)")
+    p.add_argument("--no-gather", dest="gather", action="store_false", help="skip kvbridge.gpu_gather (Triton)")
+    p.add_argument(
+        "--gather-on",
+        choices=["prefill", "decode"],
+        default="prefill",
+        help="open the IPC mapping for (and run kvbridge.gpu_gather on) the prefill GPU (push) or the decode GPU"
+        " (pull); decode needs --no-kernel (PyTorch maps a handle once per process)",
+    )
+    p.add_argument("--staged", action="store_true", help="also time gather->copy->scatter through staging buffers")
+    p.add_argument("--staged-layers", type=int, default=7, help="layers per pipelined chunk of --staged")
     p.add_argument("--ucx-tls", default="cuda_ipc,cuda_copy,sm,self,tcp", help="'' lets UCX choose")
     p.add_argument("--ucx-net-devices", default="lo", help="'' lets UCX choose")
     p.add_argument("--sim-cpu", action="store_true", help="CPU buffers, DRAM NIXL, memmove kernel: checks the logic")
@@ -651,18 +784,36 @@ def main(argv: list[str] | None = None) -> int:
         if bench.transport is not None:  # drop UCX's IPC mappings of the prefill buffers before torch opens them
             bench.transport.close()
             bench.transport = None
-        if args.kernel:
+        if not args.sim_cpu:  # peer access both ways (PyTorch enables the direction a copy needs)
+            torch.empty(1, device=bench.pdev).copy_(torch.ones(1, device=bench.ddev))
+            torch.empty(1, device=bench.ddev).copy_(torch.ones(1, device=bench.pdev))
+        bufs: dict = {}
+        if args.kernel or (args.gather and args.gather_on == "prefill"):
             cmd_q.put("ipc")
             kind, bufs = resp_q.get(timeout=120)
             if kind != "ipc":
                 raise RuntimeError(f"prefill process: {bufs}")
+        if args.kernel:
             bench.ipc = bufs
             bench.phase_kernel()
             bench.ipc = {}
-            del bufs
-            if not args.sim_cpu:
-                torch.cuda.synchronize()
-                torch.cuda.ipc_collect()
+        if args.gather:
+            if args.gather_on == "decode" and not args.sim_cpu:
+                from kvbridge.cuda_ipc import open_region
+
+                cmd_q.put("ipc-handles")
+                kind, handles = resp_q.get(timeout=120)
+                if kind != "ipc-handles":
+                    raise RuntimeError(f"prefill process: {handles}")
+                sources = {k: open_region(h, bench.ddev.index) for k, h in handles.items()}
+            else:
+                sources = bufs
+            bench.phase_gather(sources)
+            del sources
+        del bufs
+        if not args.sim_cpu:
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()
     except Exception:
         record["errors"].append({"where": "main", "error": traceback.format_exc()})
         bench.log(traceback.format_exc())

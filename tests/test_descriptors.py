@@ -43,7 +43,19 @@ def apply(descs: Descriptors, src: Worker, dst: Worker) -> None:
         dst.buffer[d - d0 : d - d0 + n] = src.buffer[s - s0 : s - s0 + n]
 
 
-def check_layouts(prefill, decode, geometry, layout_p, layout_d, src_blocks, dst_blocks, num_blocks):
+def move_by_descriptors(plan, dw, dst, sources, src_blocks, dst_blocks) -> None:
+    """Copy one decode worker's reads byte by byte, as the explicit descriptors say."""
+    per_peer = worker_descriptors(
+        plan, dw, dst.memory, {pw: w.memory for pw, w in sources.items()}, src_blocks, dst_blocks
+    )
+    for pw, descs in per_peer.items():
+        apply(descs, sources[pw], dst)
+
+
+def check_layouts(
+    prefill, decode, geometry, layout_p, layout_d, src_blocks, dst_blocks, num_blocks, move=move_by_descriptors
+):
+    """Every decode worker's request bytes after `move` equal torch indexing of the sources; nothing else changed."""
     plan = make_plan(prefill, decode, geometry)
     heads, layers = geometry.num_kv_heads, geometry.num_layers
     sources = {
@@ -62,11 +74,7 @@ def check_layouts(prefill, decode, geometry, layout_p, layout_d, src_blocks, dst
         my_heads = decode.kv_heads(heads, dw.tp)
         dst = Worker(layout_d, geometry, my_layers, len(my_heads), num_blocks, 0xAB)
         before = dst.buffer.clone()
-        per_peer = worker_descriptors(
-            plan, dw, dst.memory, {pw: w.memory for pw, w in sources.items()}, src_blocks, dst_blocks
-        )
-        for pw, descs in per_peer.items():
-            apply(descs, sources[pw], dst)
+        move(plan, dw, dst, sources, src_blocks, dst_blocks)
         sb = torch.tensor(src_blocks, dtype=torch.long)
         db = torch.tensor(dst_blocks, dtype=torch.long)
         touched = torch.zeros_like(dst.buffer, dtype=torch.bool)

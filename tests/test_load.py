@@ -52,7 +52,8 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
         log_path=tmp_path / "decode.log",
     )
     proxy = None
-    with prefill, decode, ThreadPoolExecutor(CONCURRENCY) as pool:
+    proxy_log = open(tmp_path / "proxy.log", "wb")  # noqa: SIM115 - closed below, also on failure
+    with prefill, decode, ThreadPoolExecutor(CONCURRENCY) as pool, proxy_log:
         list(pool.map(lambda s: s.wait_ready(600), (prefill, decode)))
         port = free_port()
         proxy = subprocess.Popen(
@@ -68,8 +69,8 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
                 "--port",
                 str(port),
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=proxy_log,
+            stderr=subprocess.STDOUT,
         )
         try:
             url = f"http://127.0.0.1:{port}"
@@ -104,6 +105,12 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
             assert ok, (
                 f"blocks leaked: prefill usage {usage(prefill)} (was {base_p}), decode {usage(decode)} ({base_d})"
             )
+        except BaseException:
+            print(
+                "--- proxy log tail ---\n" + (tmp_path / "proxy.log").read_text(errors="replace")[-6000:],
+                file=sys.stderr,
+            )
+            raise
         finally:
             proxy.terminate()
             proxy.wait(10)

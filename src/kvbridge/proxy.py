@@ -383,7 +383,7 @@ class Proxy:
             limits=httpx.Limits(
                 max_connections=cfg.max_connections,
                 max_keepalive_connections=min(cfg.max_connections, 100),
-                keepalive_expiry=2.0,  # under uvicorn's 5 s keep-alive: a pooled connection is never stale
+                keepalive_expiry=1.0,  # well under uvicorn's 5 s keep-alive, even when this loop lags
             ),
             trust_env=False,  # backends are reached directly, never through an HTTP(S)_PROXY
         )

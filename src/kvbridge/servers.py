@@ -315,8 +315,10 @@ class VllmServer:
             self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.stop()
+        if exc_type is not None:  # the caller failed: its report (pytest shows stderr) should say what the server saw
+            print(f"--- {self.name} ({self.url}) log tail, {self.log_path} ---\n{self.log_tail(60)}", file=sys.stderr)
 
     def __repr__(self) -> str:
         pid = self.process.pid if self.process else None
