@@ -424,3 +424,25 @@ def test_peer_version_reads_the_version_of_messages_we_cannot_decode() -> None:
     assert wire.peer_version(wire.encode(wire.Ack())) is None
     assert wire.peer_version(b"\xc1garbage") is None
     assert wire.peer_version(_encoded({"protocol_version": "x"})) is None
+
+
+def test_cuda_ipc_handles_travel_in_the_handshake():
+    from kvbridge.cuda_ipc import IpcHandle
+
+    handle = IpcHandle(
+        device=1,
+        handle=b"\x01" * 64,
+        storage_bytes=1 << 30,
+        storage_offset=0,
+        ref_counter_handle=b"/torch_123_456",
+        ref_counter_offset=8,
+        event_handle=b"\x02" * 64,
+        event_sync_required=True,
+        region_offset=512,
+        region_bytes=1 << 29,
+    )
+    reply = make_reply()
+    with_ipc = msgspec.structs.replace(reply, ipc=(wire.IpcRegion.from_core(handle),))
+    decoded = wire.decode(wire.encode(with_ipc))
+    assert decoded.ipc[0].to_core() == handle
+    assert wire.decode(wire.encode(reply)).ipc == ()  # a peer without GPU memory shares nothing

@@ -8,7 +8,7 @@ Unknown keys are refused (a typo must not silently fall back to a default).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -54,6 +54,11 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ucx_net_devices: str | None = None
     """UCX network devices (UCX_NET_DEVICES) unless the environment sets it; None lets UCX choose. Tests and
     `kvbridge serve`/`demo` on one machine use "lo" (through the environment)."""
+
+    gpu_peer_copy: Literal["auto", "nixl"] = "auto"
+    """How a decode worker reads KV in GPU memory from a prefill worker on the same host. "auto": through CUDA IPC
+    with kvbridge's gather kernel (one launch per prefill worker, near the NVLink copy rate however scattered the
+    blocks), falling back to NIXL when the handles cannot be opened; "nixl": always NIXL."""
 
     kv_layout: str | None = None
     """A vLLM KV cache layout to ask for ("NHD" or "HND"); None asks HND only when TP sizes may differ."""

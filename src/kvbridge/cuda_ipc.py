@@ -39,6 +39,13 @@ class IpcHandle:
     region_bytes: int
 
 
+def storage_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `tensor` as a flat uint8 tensor (a `kvbridge.torch_memory` region)."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
 def export_region(tensor: torch.Tensor) -> IpcHandle:
     """The handle of a CUDA tensor's memory (the whole tensor is the region)."""
     if tensor.device.type != "cuda":

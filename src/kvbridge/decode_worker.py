@@ -6,6 +6,9 @@ descriptors of the plan, posts one READ per prefill worker it reads from and a b
 others (every prefill worker must learn that this decode worker is done, or it would hold the blocks until
 its lease expires), then polls the READs with backoff. Failures and timeouts become failed ids; nothing here
 raises into the engine.
+
+GPU memory on both sides, same host: the engine's workers are read through CUDA IPC by kvbridge's gather kernel
+instead (`kvbridge.ipc_reader`); the thread polls the kernels' event, then sends the same notifications.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbridge import wire
 from kvbridge.config import BridgeConfig
-from kvbridge.descriptors import Descriptors, worker_descriptors
+from kvbridge.descriptors import Descriptors, block_lists, worker_descriptors
 from kvbridge.errors import KVBridgeError, RequestParamsError
 from kvbridge.host import host_id
 from kvbridge.identity import WorkerIdentity
@@ -32,6 +37,11 @@ from kvbridge.prefill_worker import transport_config
 from kvbridge.side_channel import exchange, fetch_handshake, side_channel_port
 from kvbridge.topology import WorkerRank
 from kvbridge.transport import Backoff, MemType, NixlTransport, Transfer
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.cuda_ipc import IpcHandle
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +62,8 @@ class LoadJob:
 class _Peer:
     agent: str
     memory: WorkerMemory
+    same_host: bool = False
+    ipc: tuple[IpcHandle, ...] = ()
 
 
 @dataclass
@@ -62,6 +74,7 @@ class _Active:
     started: float
     nbytes: int
     descriptors: int
+    event: Any = None  # the gather kernels' CUDA event (IPC path); the prefill workers are told once it completes
 
 
 @dataclass
@@ -77,8 +90,15 @@ class TransferStats:
 
 class DecodeWorker:
     def __init__(
-        self, identity: WorkerIdentity, memory: WorkerMemory, config: BridgeConfig, mem_type: MemType = "DRAM"
+        self,
+        identity: WorkerIdentity,
+        memory: WorkerMemory,
+        config: BridgeConfig,
+        mem_type: MemType = "DRAM",
+        regions: Sequence[torch.Tensor] = (),
     ) -> None:
+        """`regions`: `memory`'s regions as tensors (`torch_memory.region_tensors`); with GPU memory they enable
+        the CUDA IPC path (config.gpu_peer_copy)."""
         self.identity = identity
         self.memory = memory
         self.config = config
@@ -91,6 +111,9 @@ class DecodeWorker:
         self._failed: set[str] = set()
         self._stats = TransferStats()
         self._engines: dict[tuple[str, int], dict[WorkerRank, _Peer]] = {}
+        self._regions = tuple(regions)
+        self._ipc = None  # IpcReader, when this worker may read through CUDA IPC
+        self._kernels: dict[tuple[str, int], dict] = {}  # per prefill engine read through CUDA IPC
         self._plans: dict[str, TransferPlan] = {}
         self._active: list[_Active] = []
         self._nixl = threading.Lock()  # the transport and _active: one caller at a time
@@ -99,6 +122,13 @@ class DecodeWorker:
     def start(self) -> DecodeWorker:
         self.transport.start()
         self.transport.register(self.memory, self.mem_type)
+        if self.mem_type == "VRAM" and self.config.gpu_peer_copy == "auto" and self._regions:
+            try:
+                from kvbridge.ipc_reader import IpcReader
+
+                self._ipc = IpcReader(self.memory, self._regions)
+            except Exception as exc:  # no Triton, no CUDA: NIXL only
+                logger.warning("kvbridge decode %s: CUDA IPC path unavailable (%s); using NIXL", self.identity, exc)
         self._thread = threading.Thread(target=self._run, name=f"kvbridge-decode-{self.identity.rank}", daemon=True)
         self._thread.start()
         return self
@@ -121,6 +151,10 @@ class DecodeWorker:
             failed, self._failed = self._failed, set()
             stats, self._stats = self._stats, TransferStats()
         return done, failed, stats
+
+    def reads_through_ipc(self, source: PrefillDone) -> bool:
+        """Whether this worker reads `source`'s engine through CUDA IPC (after it connected to it)."""
+        return (source.remote_engine_id, source.remote_dp_rank) in self._kernels
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -171,18 +205,15 @@ class DecodeWorker:
         started = time.monotonic()
         try:
             peers = self._connect(job.source)
+            kernels = self._kernels.get((job.source.remote_engine_id, job.source.remote_dp_rank))
+            if kernels is not None:
+                self._start_ipc(job, peers, kernels, started)
+                return
             plan = self._plan(job.source)
             descs = self._descriptors(plan, peers, job)
             if self.config.verify_requests and job.remote_blocks:
                 self._claim(job, [rank for rank, d in descs.items() if len(d)])
-            note = wire.encode(
-                wire.Notify(
-                    request_id=job.source.remote_request_id,
-                    engine_id=self.identity.engine_id,
-                    worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
-                    expected=self.identity.layout.workers_per_engine,
-                )
-            )
+            note = self._note(job)
             transfers = [
                 self.transport.read(peer.agent, descs.get(rank, Descriptors.empty()), self.memory, peer.memory, note)
                 for rank, peer in peers.items()
@@ -205,10 +236,63 @@ class DecodeWorker:
         self._active.append(active)
         self._poll()
 
+    def _notify_message(self, job: LoadJob) -> wire.Notify:
+        """What every prefill worker of the engine receives once this worker is done with the request."""
+        return wire.Notify(
+            request_id=job.source.remote_request_id,
+            engine_id=self.identity.engine_id,
+            worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
+            expected=self.identity.layout.workers_per_engine,
+        )
+
+    def _note(self, job: LoadJob) -> bytes:
+        return wire.encode(self._notify_message(job))
+
+    def _notify_side_channel(self, job: LoadJob) -> None:
+        """Tell every prefill worker of the engine over the side channel (acknowledged), after a CUDA IPC copy:
+        no NIXL transfer carries the notification, and a bare NIXL one would wait for UCX progress. A worker that
+        does not answer frees the blocks when its lease expires; the load itself succeeded."""
+        source, message = job.source, self._notify_message(job)
+        for rank in source.layout.workers():
+            port = side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
+            try:
+                answer = exchange(source.remote_host, port, message, timeout_s=self.config.handshake_timeout_s)
+            except KVBridgeError as exc:
+                answer = exc
+            if not isinstance(answer, wire.Ack):
+                logger.warning("kvbridge decode %s: prefill worker %s not notified: %s", self.identity, rank, answer)
+
+    def _start_ipc(self, job: LoadJob, peers: dict[WorkerRank, _Peer], kernels: dict, started: float) -> None:
+        """The CUDA IPC path: check the blocks, claim, launch; `_poll` notifies once the kernels are done."""
+        try:
+            for rank in kernels:
+                block_lists(job.remote_blocks, job.local_blocks, peers[rank].memory, self.memory)
+            if self.config.verify_requests and job.remote_blocks:
+                self._claim(job, list(kernels))
+            live = kernels if job.local_blocks else {}
+            event = self._ipc.launch(live, job.remote_blocks, job.local_blocks)
+        except KVBridgeError as exc:
+            self._forget(job.source)
+            self._finish(job, False, str(exc))
+            return
+        nbytes = sum(k.block_bytes for k in live.values()) * len(job.local_blocks)
+        active = _Active(job, [], started + self.config.transfer_timeout_s, started, nbytes, 0)
+        active.event = event
+        self._active.append(active)
+        self._poll()
+
     def _poll(self) -> None:
         still = []
         for active in self._active:
             try:
+                if active.event is not None:
+                    if not active.event.query():
+                        # No timeout here: a launched kernel cannot be cancelled, and failing the load would let
+                        # vLLM reuse blocks it is still writing (it takes milliseconds; the lease is far longer).
+                        still.append(active)
+                        continue
+                    active.event = None
+                    self._notify_side_channel(active.job)
                 done = all(self.transport.poll(t) for t in active.transfers)
             except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on
                 if not isinstance(exc, KVBridgeError):
@@ -268,15 +352,27 @@ class DecodeWorker:
             )
             same_host = reply.host_id == host_id()
             agent = self.transport.add_peer(reply.agent_metadata)
-            peers[rank] = _Peer(agent, reply.memory.to_core())
+            ipc = tuple(h.to_core() for h in reply.ipc)
+            peers[rank] = _Peer(agent, reply.memory.to_core(), same_host, ipc)
         self._engines[key] = peers
+        path = "NIXL"
+        if self._ipc is not None and all(p.same_host and p.ipc for p in peers.values()):
+            try:
+                plan = self._plan(source)
+                self._kernels[key] = self._ipc.connect(
+                    plan, ident.rank, {rank: (p.memory, p.ipc) for rank, p in peers.items()}
+                )
+                path = f"CUDA IPC + gather kernel on {self._ipc.device}"
+            except KVBridgeError as exc:
+                logger.warning("kvbridge decode %s: reading %s through NIXL: %s", ident, source.remote_engine_id, exc)
         logger.info(
-            "kvbridge decode %s connected to %d workers of %s at %s (%s; UCX_TLS=%s)",
+            "kvbridge decode %s connected to %d workers of %s at %s (%s; %s; UCX_TLS=%s)",
             ident,
             len(peers),
             source.remote_engine_id,
             source.remote_host,
             "same host: shared memory/CMA usable" if same_host else "another host: network transports only",
+            path,
             self.transport.ucx_env.get("UCX_TLS", "UCX default"),
         )
         return peers
@@ -314,6 +410,7 @@ class DecodeWorker:
     def _forget(self, source: PrefillDone) -> None:
         """Drop a prefill engine's cached connection after a failure, so the next request handshakes again
         (a restarted prefill instance has new agents and memory)."""
+        self._kernels.pop((source.remote_engine_id, source.remote_dp_rank), None)
         peers = self._engines.pop((source.remote_engine_id, source.remote_dp_rank), None)
         for peer in (peers or {}).values():
             with contextlib.suppress(KVBridgeError):

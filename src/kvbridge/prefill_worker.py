@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from kvbridge import wire
 from kvbridge.config import BridgeConfig
@@ -22,6 +23,9 @@ from kvbridge.leases import LeaseBook
 from kvbridge.memory import WorkerMemory
 from kvbridge.side_channel import SideChannelServer, handshake_handler, side_channel_port
 from kvbridge.transport import Backoff, MemType, NixlTransport, TransportConfig
+
+if TYPE_CHECKING:
+    from kvbridge.cuda_ipc import IpcHandle
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +38,12 @@ class PrefillWorker:
         config: BridgeConfig,
         mem_type: MemType = "DRAM",
         clock=time.monotonic,
+        ipc: tuple[IpcHandle, ...] = (),
     ) -> None:
+        """`ipc`: CUDA IPC handles of `memory`'s regions (`cuda_ipc.export_region`), published in the handshake
+        so that decode workers on this host can read with a GPU kernel instead of NIXL."""
         self.identity = identity
+        self.ipc = ipc
         self.memory = memory
         self.config = config
         self.mem_type = mem_type
@@ -47,6 +55,7 @@ class PrefillWorker:
         self._to_hold: list[str] = []
         self._held: dict[str, frozenset[int]] = {}  # what claims are checked against (under _lock)
         self._finished: set[str] = set()
+        self._side_notes: list[wire.Notify] = []  # notifications that came over the side channel (CUDA IPC readers)
         self._expired_new = 0
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
         self._backoff = Backoff(first_s=100e-6, cap_s=5e-3)
@@ -70,6 +79,7 @@ class PrefillWorker:
             self.transport.agent_metadata(),
             self.memory,
             host_id=host_id(),
+            ipc=self.ipc,
         )
         self._server = SideChannelServer(
             self.port, handshake_handler(reply, self._answer), host=self.config.side_channel_host
@@ -101,6 +111,12 @@ class PrefillWorker:
                 stray = sorted(set(blocks) - held)
                 if stray:
                     return wire.ErrorReply(message=f"blocks {stray[:8]} are not request {request_id}'s")
+                return wire.Ack(request_id=request_id)
+            case wire.Notify(request_id=request_id):
+                # Readers that copied through CUDA IPC made no NIXL transfer to carry their notification.
+                with self._lock:
+                    self._side_notes.append(message)
+                self._wake.set()
                 return wire.Ack(request_id=request_id)
             case _:
                 return wire.ErrorReply(message=f"unexpected {type(message).__name__}")
@@ -150,6 +166,7 @@ class PrefillWorker:
         active = False
         with self._lock:
             holds, self._to_hold = self._to_hold, []
+            side_notes, self._side_notes = self._side_notes, []
         for request_id in holds:
             self._leases.hold(request_id, now)
             active = True
@@ -168,6 +185,9 @@ class PrefillWorker:
                     continue
                 if isinstance(msg, wire.Notify):
                     self._leases.notified(msg.request_id, f"{msg.engine_id}/{msg.worker}", msg.expected, now)
+        for msg in side_notes:
+            active = True
+            self._leases.notified(msg.request_id, f"{msg.engine_id}/{msg.worker}", msg.expected, now)
         done, expired = self._leases.due(now)
         if expired:
             logger.warning("kvbridge prefill %s: lease expired for %s", self.identity, sorted(expired))

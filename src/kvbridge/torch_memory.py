@@ -63,3 +63,17 @@ def physical_order(memory: WorkerMemory) -> str:
     if lk.num_planes == 2:
         dims["K"] = lk.plane_stride
     return "".join(sorted(dims, key=lambda d: -dims[d])) + "C"
+
+
+def region_tensors(kv_caches: dict[str, torch.Tensor], memory: WorkerMemory) -> tuple[torch.Tensor, ...]:
+    """`memory`'s regions (from `memory_from_tensors`) as flat uint8 tensors over the same storages, in order."""
+    from kvbridge.cuda_ipc import storage_view
+
+    by_key = {}
+    for tensor in kv_caches.values():
+        storage = tensor.untyped_storage()
+        by_key.setdefault((storage.data_ptr(), storage.nbytes()), tensor)
+    try:
+        return tuple(storage_view(by_key[(r.addr, r.nbytes)]) for r in memory.regions)
+    except KeyError as exc:
+        raise LayoutError(f"no KV tensor lies in region {exc}") from None

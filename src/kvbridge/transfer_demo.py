@@ -5,6 +5,9 @@ derives the same reference KV for the whole model from a seed; prefill workers f
 their heads into vLLM's CPU layout, the decode workers handshake, read one request's scattered blocks through
 the plan and check every byte they hold against the reference. The prefill workers report when every reader
 has notified them. This is what the connector does inside vLLM, minus vLLM.
+
+With `prefill_device`/`decode_device` set to CUDA devices the buffers live in GPU memory: NIXL registers VRAM,
+and a decode worker on the same host reads through CUDA IPC with the gather kernel (config.gpu_peer_copy).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ class Scenario:
     num_blocks: int
     request_blocks: int
     seed: int = 0
+    prefill_device: str = "cpu"
+    decode_device: str = "cpu"
+    config: BridgeConfig | None = None  # the side-channel port is set by run_transfer
+    repeats: int = 1  # loads of the same blocks one after another (timing; needs config.verify_requests False)
 
     def blocks(self) -> tuple[list[int], list[int]]:
         """A request's scattered block ids on each side (seeded, never adjacent by construction)."""
@@ -41,17 +48,24 @@ class Scenario:
         return src.tolist(), dst.tolist()
 
 
-def _reference(scenario: Scenario):
+def _reference(scenario: Scenario, device: str = "cpu"):
+    """The whole model's KV, the same in every process (generated on `device`: same seed, same numbers)."""
     import torch
 
     g = scenario.geometry
-    gen = torch.Generator().manual_seed(scenario.seed)
+    gen = torch.Generator(device=device).manual_seed(scenario.seed)
     shape = (g.num_layers, scenario.num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size)
-    return torch.randn(shape, generator=gen, dtype=torch.float32)
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
 
 
-def _worker_kv(scenario: Scenario, layout: ParallelLayout, rank: WorkerRank, fill):
-    """A worker's KV in vLLM's CPU layout (LBHNC), its memory description, its layers and heads."""
+def _env(scenario: Scenario) -> dict[str, str]:
+    if "cuda" in scenario.prefill_device + scenario.decode_device:
+        return {**_LOOPBACK_ENV, "UCX_TLS": "cuda_ipc,cuda_copy,sm,self,tcp"}
+    return _LOOPBACK_ENV
+
+
+def _worker_kv(scenario: Scenario, layout: ParallelLayout, rank: WorkerRank, fill, device: str = "cpu"):
+    """A worker's KV in vLLM's CPU layout (LBHNC) on `device`, its memory description, its layers and heads."""
     import torch
 
     from kvbridge.memory import synthesize_memory
@@ -59,23 +73,34 @@ def _worker_kv(scenario: Scenario, layout: ParallelLayout, rank: WorkerRank, fil
     g = scenario.geometry
     layers = layout.stage_layers(g.num_layers, rank.pp)
     heads = layout.kv_heads(g.num_kv_heads, rank.tp)
-    kv = torch.empty((len(layers), scenario.num_blocks, len(heads), g.block_size, 2 * g.head_size))
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    kv = torch.empty((len(layers), scenario.num_blocks, len(heads), g.block_size, 2 * g.head_size), device=dev)
     if fill is not None:
         kv.copy_(fill[layers.start : layers.stop, :, heads.start : heads.stop])
     else:
         kv.fill_(float("nan"))
-    memory = synthesize_memory("LBHNC", g, list(layers), len(heads), scenario.num_blocks, kv.data_ptr())
+    index = (dev.index or 0) if dev.type == "cuda" else 0
+    memory = synthesize_memory("LBHNC", g, list(layers), len(heads), scenario.num_blocks, kv.data_ptr(), index)
     return kv, memory, layers, heads
 
 
 def _prefill_main(scenario, rank, config, engine_id, request_id, ready, finished, stop):
-    os.environ.update(_LOOPBACK_ENV)
+    os.environ.update(_env(scenario))
     from kvbridge.identity import WorkerIdentity
     from kvbridge.prefill_worker import PrefillWorker
 
-    kv, memory, _, _ = _worker_kv(scenario, scenario.prefill, rank, _reference(scenario))
+    kv, memory, _, _ = _worker_kv(
+        scenario, scenario.prefill, rank, _reference(scenario, scenario.prefill_device), scenario.prefill_device
+    )
     ident = WorkerIdentity(engine_id, scenario.prefill, 0, rank, scenario.geometry)
-    worker = PrefillWorker(ident, memory, config).start()
+    ipc = ()
+    if kv.is_cuda and config.gpu_peer_copy == "auto":
+        from kvbridge.cuda_ipc import export_region
+
+        ipc = (export_region(kv),)
+    worker = PrefillWorker(ident, memory, config, "VRAM" if kv.is_cuda else "DRAM", ipc=ipc).start()
     try:
         worker.hold(request_id, tuple(scenario.blocks()[0]))
         ready.put(("ready", str(rank)))
@@ -91,47 +116,53 @@ def _prefill_main(scenario, rank, config, engine_id, request_id, ready, finished
 
 
 def _decode_main(scenario, rank, config, source, results):
-    os.environ.update(_LOOPBACK_ENV)
+    os.environ.update(_env(scenario))
     import torch
 
     from kvbridge.decode_worker import DecodeWorker, LoadJob
     from kvbridge.identity import WorkerIdentity
 
-    kv, memory, layers, heads = _worker_kv(scenario, scenario.decode, rank, None)
+    kv, memory, layers, heads = _worker_kv(scenario, scenario.decode, rank, None, scenario.decode_device)
     ident = WorkerIdentity("demo-decode", scenario.decode, 0, rank, scenario.geometry)
-    worker = DecodeWorker(ident, memory, config).start()
+    mem_type = "VRAM" if kv.is_cuda else "DRAM"
+    worker = DecodeWorker(ident, memory, config, mem_type, (kv.view(-1).view(torch.uint8),)).start()
     try:
         src, dst = scenario.blocks()
         t0 = time.monotonic()
-        worker.load(LoadJob("decode-req-0", source, tuple(dst), tuple(src)))
         done: set[str] = set()
         failed: set[str] = set()
-        stats = None
+        seconds: list[float] = []
+        nbytes = descriptors = 0
         deadline = t0 + 60
-        while not (done or failed) and time.monotonic() < deadline:
-            d, f, s = worker.results()
-            done |= d
-            failed |= f
-            if s.transfers or s.failures:
-                stats = s
-            time.sleep(0.001)
+        for i in range(scenario.repeats):
+            worker.load(LoadJob(f"decode-req-{i}", source, tuple(dst), tuple(src)))
+            while len(done) + len(failed) <= i and time.monotonic() < deadline:
+                d, f, s = worker.results()
+                done |= d
+                failed |= f
+                seconds += s.seconds
+                nbytes, descriptors = nbytes + s.bytes, descriptors + s.descriptors
+                time.sleep(0.0002)
         elapsed = time.monotonic() - t0
-        ref = _reference(scenario)
+        ok = len(done) == scenario.repeats
+        ref = _reference(scenario, scenario.decode_device)
         want = ref[layers.start : layers.stop][:, src][:, :, heads.start : heads.stop]
         got = kv[:, dst]
-        exact = bool(done) and torch.equal(got, want)
+        exact = ok and torch.equal(got, want)
         untouched = [b for b in range(scenario.num_blocks) if b not in set(dst)]
         clean = bool(torch.isnan(kv[:, untouched]).all()) if untouched else True
         results.put(
             {
                 "decode_worker": str(rank),
-                "ok": bool(done),
+                "ok": ok,
                 "failed": bool(failed),
                 "exact": exact,
                 "untouched_clean": clean,
-                "bytes": stats.bytes if stats else 0,
-                "descriptors": stats.descriptors if stats else 0,
-                "transfer_s": stats.seconds[0] if stats and stats.seconds else None,
+                "bytes": nbytes // max(1, len(seconds)),
+                "descriptors": descriptors // max(1, len(seconds)),
+                "transfer_s": seconds[0] if seconds else None,
+                "transfer_times_s": seconds,
+                "path": "cuda-ipc" if worker.reads_through_ipc(source) else "nixl",
                 "elapsed_s": elapsed,
             }
         )
@@ -166,7 +197,10 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
 
     ctx = mp.get_context("spawn")
     base = free_base_port(scenario.prefill.workers_per_engine)
-    config = BridgeConfig(side_channel_port=base, lease_s=30.0, handshake_timeout_s=5.0, transfer_timeout_s=60.0)
+    import msgspec
+
+    config = scenario.config or BridgeConfig(lease_s=30.0, handshake_timeout_s=5.0, transfer_timeout_s=60.0)
+    config = msgspec.structs.replace(config, side_channel_port=base)
     ready, finished, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop = ctx.Event()
     request_id = "prefill-req-0"

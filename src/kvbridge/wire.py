@@ -24,13 +24,16 @@ with itself.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
 from kvbridge import memory as mem
 from kvbridge import topology
 from kvbridge.errors import IncompatiblePeerError, LayoutError, ProtocolError
+
+if TYPE_CHECKING:
+    from kvbridge.cuda_ipc import IpcHandle
 
 PROTOCOL_VERSION = 1
 """Bumped only for a change an older peer cannot read correctly (see the module docstring)."""
@@ -181,6 +184,30 @@ class Memory(_Struct, kw_only=True):
         )
 
 
+class IpcRegion(_Struct, kw_only=True):
+    """cuda_ipc.IpcHandle: a CUDA IPC handle of one of a worker's regions, for readers on the same host."""
+
+    device: NonNegative
+    handle: bytes
+    storage_bytes: NonNegative
+    storage_offset: NonNegative
+    ref_counter_handle: bytes
+    ref_counter_offset: NonNegative
+    event_handle: bytes
+    event_sync_required: bool
+    region_offset: NonNegative
+    region_bytes: NonNegative
+
+    @classmethod
+    def from_core(cls, handle: IpcHandle) -> IpcRegion:
+        return cls(**{f: getattr(handle, f) for f in cls.__struct_fields__})
+
+    def to_core(self) -> IpcHandle:
+        from kvbridge.cuda_ipc import IpcHandle
+
+        return IpcHandle(**{f: getattr(self, f) for f in self.__struct_fields__})
+
+
 # --- messages ---------------------------------------------------------------------------------------------
 
 
@@ -258,7 +285,12 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     agent_metadata: bytes
     memory: Memory
     host_id: str = ""
-    """Which machine and network namespace the worker runs in (see `kvbridge.host.host_id`), for logs."""
+    """Which machine and network namespace the worker runs in (see `kvbridge.host.host_id`): a reader on the
+    same host may use `ipc`."""
+
+    ipc: tuple[IpcRegion, ...] = ()
+    """CUDA IPC handles of `memory`'s regions, in order (empty when the KV is not in GPU memory or the worker
+    does not share it): a reader on the same host may copy with a GPU kernel instead of NIXL."""
 
     def __post_init__(self) -> None:
         _check_worker(self)
@@ -277,6 +309,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         agent_metadata: bytes,
         memory: mem.WorkerMemory,
         host_id: str = "",
+        ipc: tuple[IpcHandle, ...] = (),
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -288,6 +321,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             agent_metadata=agent_metadata,
             memory=Memory.from_core(memory),
             host_id=host_id,
+            ipc=tuple(IpcRegion.from_core(h) for h in ipc),
         )
 
     def page_format(self) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from kvbridge.config import BridgeConfig
 from kvbridge.decode_worker import DecodeWorker
 from kvbridge.identity import WorkerIdentity
 from kvbridge.prefill_worker import PrefillWorker
-from kvbridge.torch_memory import memory_from_tensors, physical_order
+from kvbridge.torch_memory import memory_from_tensors, physical_order, region_tensors
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import engine_layout, geometry, worker_rank
@@ -23,6 +23,18 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
+
+
+def share_regions(regions) -> tuple:
+    """CUDA IPC handles of the KV regions, or () when they cannot be shared (e.g. PyTorch's expandable segments):
+    decode workers then read through NIXL."""
+    from kvbridge.cuda_ipc import export_region
+
+    try:
+        return tuple(export_region(r) for r in regions)
+    except Exception as exc:
+        logger.warning("kvbridge: KV regions not shared through CUDA IPC (%s); readers will use NIXL", exc)
+        return ()
 
 
 class WorkerSide:
@@ -60,10 +72,12 @@ class WorkerSide:
             identity.kv_layout,
             [(hex(r.addr), r.nbytes, r.device_id) for r in memory.regions],
         )
+        regions = region_tensors(kv_caches, memory)
         if self.is_producer:
-            self.prefill = PrefillWorker(identity, memory, self.config, mem_type).start()
+            ipc = share_regions(regions) if first.is_cuda and self.config.gpu_peer_copy == "auto" else ()
+            self.prefill = PrefillWorker(identity, memory, self.config, mem_type, ipc=ipc).start()
         if self.is_consumer:
-            self.decode = DecodeWorker(identity, memory, self.config, mem_type).start()
+            self.decode = DecodeWorker(identity, memory, self.config, mem_type, regions).start()
 
     def start_load_kv(self, meta: KVBridgeMetadata) -> None:
         if self.decode is not None:

@@ -1,0 +1,109 @@
+"""kvbridge's worker runtimes on GPUs: real prefill and decode worker processes, side channel, NIXL, CUDA IPC.
+
+Each scenario runs `kvbridge.transfer_demo.run_transfer` (what the connector does inside vLLM, minus vLLM) with
+the prefill workers' KV on GPU 0 and the decode workers' on GPU 1, twice: with `gpu_peer_copy="auto"` (the decode
+workers open the prefill workers' CUDA IPC handles and copy with kvbridge's gather kernel, then notify over NIXL)
+and with `gpu_peer_copy="nixl"` (coalesced NIXL READs). Every decode worker loads the same request `--repeats`
+times (the first includes the handshake and the kernel's compilation) and checks every byte it holds against the
+seeded reference; every prefill worker must free the request on its readers' notifications (not at lease
+expiry). Prints a line per run and writes JSON.
+
+    python3 bench/gpu_workers.py --out DIR        # on nvidia-h200-x2 (nixl wheels carried: see GPU_RESULTS.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvbridge.config import BridgeConfig  # noqa: E402
+from kvbridge.topology import KVGeometry, ParallelLayout  # noqa: E402
+from kvbridge.transfer_demo import Scenario, run_transfer  # noqa: E402
+
+PAIRS = ["pp1->pp1", "pp2->pp1", "pp1->tp2", "pp2->tp2", "tp2->pp2"]
+
+
+def one(pair: str, path: str, args) -> dict:
+    prefill, decode = (ParallelLayout.parse(x.replace("pp", "pp=").replace("tp", "tp=")) for x in pair.split("->"))
+    scenario = Scenario(
+        prefill,
+        decode,
+        KVGeometry(args.layers, args.kv_heads, args.head_size, "float32", args.block_size),
+        num_blocks=args.blocks,
+        request_blocks=args.request_blocks,
+        seed=7,
+        prefill_device="cuda:0",
+        decode_device=f"cuda:{args.decode_gpu}",
+        config=BridgeConfig(gpu_peer_copy=path, verify_requests=False, lease_s=60.0, transfer_timeout_s=60.0),
+        repeats=args.repeats,
+    )
+    t0 = time.monotonic()
+    result = run_transfer(scenario, timeout_s=240)
+    result["wall_s"] = time.monotonic() - t0
+    result["pair"], result["path_asked"] = pair, path
+    return result
+
+
+def summary(r: dict) -> str:
+    workers = r["decode"]
+    ok = all(w["ok"] and w["exact"] and w["untouched_clean"] for w in workers)
+    # Every prefill worker must free the request because its readers told it, not because its lease expired.
+    released = sum(1 for _, _, expired, _ in r["prefill_released"] if expired == 0)
+    ok = ok and released == len(r["prefill_released"]) > 0
+    paths = ",".join(sorted({w["path"] for w in workers}))
+    warm = [t for w in workers for t in w["transfer_times_s"][1:]]
+    first = max(w["transfer_times_s"][0] for w in workers if w["transfer_times_s"])
+    per_worker = workers[0]["bytes"]
+    med = statistics.median(warm) if warm else float("nan")
+    return (
+        f"{r['pair']:9} {r['path_asked']:5} -> {paths:9} ok={ok!s:5} released={released} "
+        f"bytes/worker={per_worker / 2**20:7.1f} MiB descs/worker={workers[0]['descriptors']:6} "
+        f"first={first * 1e3:8.1f} ms warm median={med * 1e3:7.2f} ms ({per_worker / med / 1e9:6.1f} GB/s per worker)"
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", nargs="+", default=PAIRS)
+    p.add_argument("--paths", nargs="+", default=["auto", "nixl"], choices=["auto", "nixl"])
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--blocks", type=int, default=1024, help="KV blocks per worker")
+    p.add_argument("--request-blocks", type=int, default=512, help="the request's blocks (scattered at random)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode-gpu", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "out"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, lines = [], []
+    for pair in args.pairs:
+        for path in args.paths:
+            try:
+                r = one(pair, path, args)
+                line = summary(r)
+            except Exception as exc:  # record and go on: one scenario must not hide the others
+                r = {"pair": pair, "path_asked": path, "error": f"{type(exc).__name__}: {exc}"}
+                line = f"{pair:9} {path:5} ERROR {r['error']}"
+            results.append(r)
+            lines.append(line)
+            print(line, flush=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    record = {"command": [sys.executable, *sys.argv], "settings": {k: str(v) for k, v in vars(args).items()}}
+    (args.out / f"gpu-workers-{stamp}.json").write_text(json.dumps({**record, "results": results}, indent=1))
+    good = all("error" not in r and "ok=True" in line for r, line in zip(results, lines, strict=True))
+    print(f"\nall ok: {good}")
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
