@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+_WAKE = object()  # queued by results() when the transfer thread has notifications to send
+
+
 @dataclass(frozen=True)
 class LoadJob:
     """Read `remote_blocks` of a prefill request into `local_blocks`; `report` False: only notify the prefill
@@ -105,7 +108,7 @@ class DecodeWorker:
         self.mem_type = mem_type
         # A kv_both worker also runs a PrefillWorker: agent names must differ.
         self.transport = NixlTransport(identity.agent_name + "-reader", transport_config(config, mem_type))
-        self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
+        self._jobs: queue.Queue[LoadJob | object | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed: set[str] = set()
@@ -116,6 +119,7 @@ class DecodeWorker:
         self._kernels: dict[tuple[str, int], dict] = {}  # per prefill engine read through CUDA IPC
         self._plans: dict[str, TransferPlan] = {}
         self._active: list[_Active] = []
+        self._to_notify: list[LoadJob] = []  # CUDA IPC loads done, prefill workers not yet told (under _nixl)
         self._nixl = threading.Lock()  # the transport and _active: one caller at a time
         self._thread: threading.Thread | None = None
 
@@ -144,6 +148,8 @@ class DecodeWorker:
         if self._active and self._nixl.acquire(blocking=False):
             try:
                 self._poll()
+                if self._to_notify:
+                    self._jobs.put(_WAKE)  # the transfer thread may be idle: the notifications are its job
             finally:
                 self._nixl.release()
         with self._lock:
@@ -173,6 +179,8 @@ class DecodeWorker:
                 job = False
             if job is None:
                 return
+            if job is _WAKE:
+                job = False
             with self._nixl:
                 try:
                     if job:
@@ -186,6 +194,9 @@ class DecodeWorker:
                     logger.exception("kvbridge decode %s: transfer thread error", self.identity)
                     if job and not self._has(job):
                         self._finish(job, False, "internal error in the transfer thread (see log)")
+                notify, self._to_notify = self._to_notify, []
+            for done in notify:  # side-channel round trips, outside the lock: results() never waits on them
+                self._notify_side_channel(done)
 
     def _has(self, job: LoadJob) -> bool:
         return any(a.job is job for a in self._active)
@@ -257,7 +268,7 @@ class DecodeWorker:
             port = side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
             try:
                 answer = exchange(source.remote_host, port, message, timeout_s=self.config.handshake_timeout_s)
-            except KVBridgeError as exc:
+            except Exception as exc:  # never lose the thread over a notification
                 answer = exc
             if not isinstance(answer, wire.Ack):
                 logger.warning("kvbridge decode %s: prefill worker %s not notified: %s", self.identity, rank, answer)
@@ -291,8 +302,9 @@ class DecodeWorker:
                         # vLLM reuse blocks it is still writing (it takes milliseconds; the lease is far longer).
                         still.append(active)
                         continue
-                    active.event = None
-                    self._notify_side_channel(active.job)
+                    self._complete(active)  # report first; the transfer thread tells the prefill side
+                    self._to_notify.append(active.job)
+                    continue
                 done = all(self.transport.poll(t) for t in active.transfers)
             except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on
                 if not isinstance(exc, KVBridgeError):
@@ -303,19 +315,22 @@ class DecodeWorker:
                 continue
             if done:
                 self._release(active)
-                elapsed = time.monotonic() - active.started
-                with self._lock:
-                    self._stats.transfers += 1
-                    self._stats.bytes += active.nbytes
-                    self._stats.descriptors += active.descriptors
-                    self._stats.seconds.append(elapsed)
-                self._finish(active.job, True)
+                self._complete(active)
             elif time.monotonic() > active.deadline:
                 self._release(active)
                 self._finish(active.job, False, f"not done after {self.config.transfer_timeout_s} s")
             else:
                 still.append(active)
         self._active = still
+
+    def _complete(self, active: _Active) -> None:
+        elapsed = time.monotonic() - active.started
+        with self._lock:
+            self._stats.transfers += 1
+            self._stats.bytes += active.nbytes
+            self._stats.descriptors += active.descriptors
+            self._stats.seconds.append(elapsed)
+        self._finish(active.job, True)
 
     def _release(self, active: _Active) -> None:
         for t in active.transfers:

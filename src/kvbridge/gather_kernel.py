@@ -32,8 +32,10 @@ def gather_runs(src, dst, ids, table, num_pairs, TILE: tl.constexpr, ALIGN: tl.c
 def compiled(interpret: bool):
     """The kernel for the GPU, or wrapped for Triton's CPU interpreter (chosen per call rather than by the
     TRITON_INTERPRET environment variable, so both can live in one process)."""
+    # num_pairs changes with every request: specializing on it (Triton does for ints equal to 1 or divisible by
+    # 16) would compile new variants at run time, blocking the transfer thread for a second each.
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(gather_runs)
-    return triton.jit(gather_runs)
+        return InterpretedFunction(gather_runs, do_not_specialize=["num_pairs"])
+    return triton.jit(gather_runs, do_not_specialize=["num_pairs"])
