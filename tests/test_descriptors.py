@@ -110,23 +110,20 @@ CASES = [
 ]
 
 
+def check_case(prefill: str, decode: str, heads: int, layout: str, move=move_by_descriptors, seed: int = 0) -> None:
+    """One CASES row in one named layout: 5 scattered blocks of 12, small geometry."""
+    geometry = KVGeometry(num_layers=5, num_kv_heads=heads, head_size=8, dtype="float16", block_size=4)
+    rng = np.random.default_rng(seed)
+    src_blocks = rng.permutation(12)[:5].tolist()
+    dst_blocks = rng.permutation(12)[:5].tolist()
+    p, d = ParallelLayout.parse(prefill), ParallelLayout.parse(decode)
+    check_layouts(p, d, geometry, layout, layout, src_blocks, dst_blocks, 12, move)
+
+
 @pytest.mark.parametrize("layout", sorted(NAMED_LAYOUTS))
 @pytest.mark.parametrize(("prefill", "decode", "heads"), CASES)
 def test_bytes_match_torch_indexing(prefill, decode, heads, layout):
-    geometry = KVGeometry(num_layers=5, num_kv_heads=heads, head_size=8, dtype="float16", block_size=4)
-    rng = np.random.default_rng(0)
-    src_blocks = rng.permutation(12)[:5].tolist()
-    dst_blocks = rng.permutation(12)[:5].tolist()
-    check_layouts(
-        ParallelLayout.parse(prefill),
-        ParallelLayout.parse(decode),
-        geometry,
-        layout,
-        layout,
-        src_blocks,
-        dst_blocks,
-        12,
-    )
+    check_case(prefill, decode, heads, layout)
 
 
 def test_mixed_layouts_still_correct():

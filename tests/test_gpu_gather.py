@@ -13,7 +13,7 @@ from kvbridge.gpu_gather import GatherKernel, _tile
 from kvbridge.memory import NAMED_LAYOUTS, synthesize_memory
 from kvbridge.segments import worker_segments
 from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
-from test_descriptors import CASES, check_layouts  # tests/ is on sys.path (pytest's prepend import mode)
+from test_descriptors import CASES, check_case, check_layouts  # tests/ is on sys.path (pytest's prepend import mode)
 
 
 def move_by_kernel(plan, dw, dst, sources, src_blocks, dst_blocks) -> None:
@@ -27,21 +27,7 @@ def move_by_kernel(plan, dw, dst, sources, src_blocks, dst_blocks) -> None:
 @pytest.mark.parametrize("layout", sorted(NAMED_LAYOUTS))
 @pytest.mark.parametrize(("prefill", "decode", "heads"), CASES)
 def test_kernel_moves_the_bytes_torch_indexing_says(prefill, decode, heads, layout):
-    geometry = KVGeometry(num_layers=5, num_kv_heads=heads, head_size=8, dtype="float16", block_size=4)
-    rng = np.random.default_rng(1)
-    src_blocks = rng.permutation(12)[:5].tolist()
-    dst_blocks = rng.permutation(12)[:5].tolist()
-    check_layouts(
-        ParallelLayout.parse(prefill),
-        ParallelLayout.parse(decode),
-        geometry,
-        layout,
-        layout,
-        src_blocks,
-        dst_blocks,
-        12,
-        move=move_by_kernel,
-    )
+    check_case(prefill, decode, heads, layout, move=move_by_kernel, seed=1)
 
 
 def test_kernel_with_mixed_layouts_and_long_runs():
