@@ -128,6 +128,8 @@ def test_config_is_validated():
         ProxyConfig(prefill=("http://p",), decode=("http://d",), prefill_timeout_s=0)
     with pytest.raises(ConfigError, match="connect_retries"):
         ProxyConfig(prefill=("http://p",), decode=("http://d",), connect_retries=-1)
+    with pytest.raises(ConfigError, match="backend_keepalive_s"):
+        ProxyConfig(prefill=("http://p",), decode=("http://d",), backend_keepalive_s=-1)
 
 
 # --- fakes and servers in threads -------------------------------------------------------------------------
@@ -182,6 +184,7 @@ class FakeBackend:
         self.crash_after = crash_after
         self.healthy = True
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.clients: list[tuple[str, int]] = []  # the connection (peer address) each request came on
         self.sent = bytearray()
         self.disconnected = threading.Event()
 
@@ -206,6 +209,7 @@ class FakeBackend:
                 break
         body = json.loads(raw)
         self.requests.append((scope["path"], body))
+        self.clients.append(tuple(scope["client"]))
         watcher = asyncio.create_task(self._watch(receive))
         try:
             if self.delay:
@@ -329,6 +333,19 @@ def test_chat_streaming_is_passed_through():
         ((_, decode),) = d.requests
         assert decode["stream"] is True and decode["stream_options"] == {"include_usage": True}
         assert decode["kv_transfer_params"]["remote_engine_id"] == "p"
+
+
+@pytest.mark.parametrize(("keepalive_s", "reused"), [(0.0, False), (5.0, True)])
+def test_backend_connections_are_reused_only_when_asked(keepalive_s, reused):
+    """By default every leg has its own connection: a reused one races the backend's keep-alive timeout (a
+    stalled vLLM server reset one under load in CI: HTTP 502)."""
+    p, d = FakeBackend("p"), FakeBackend("d")
+    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url], backend_keepalive_s=keepalive_s) as (url, _):
+        for _ in range(3):
+            assert httpx.post(url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+    for backend in (p, d):
+        assert len(backend.clients) == 3
+        assert (len(set(backend.clients)) < 3) == reused, backend.clients
 
 
 def test_requests_are_spread_over_backends():

@@ -38,4 +38,6 @@ def test_request_moves_exactly(prefill, decode, heads):
     released = {rank: ids for rank, ids, expired, _ in result["prefill_released"]}
     assert set(released) == {str(w) for w in scenario.prefill.workers()}
     assert all(ids == ["prefill-req-0"] for ids in released.values())
+    # Freed because every reader said so (a READ's notification or the side channel), not at lease expiry.
+    assert all(expired == 0 for _, _, expired, _ in result["prefill_released"]), result["prefill_released"]
     assert all(expired == 0 for _, _, expired, _ in result["prefill_released"])

@@ -2,13 +2,14 @@
 
 One transfer thread owns the NIXL transport; the engine's step thread only calls `load` and `results`.
 Per request the thread connects to every worker of the prefill engine (cached per engine), computes the
-descriptors of the plan, posts one READ per prefill worker it reads from and a bare notification to the
-others (every prefill worker must learn that this decode worker is done, or it would hold the blocks until
-its lease expires), then polls the READs with backoff. Failures and timeouts become failed ids; nothing here
-raises into the engine.
+descriptors of the plan, posts one READ per prefill worker it reads from (its completion notifies that worker)
+and tells the others over the side channel, acknowledged (every prefill worker must learn that this decode worker
+is done, or it would hold the blocks until its lease expires; a bare NIXL notification to a peer with no READ can
+sit unsent until UCX happens to make progress), then polls the READs with backoff. Failures and timeouts become
+failed ids; nothing here raises into the engine.
 
 GPU memory on both sides, same host: the engine's workers are read through CUDA IPC by kvbridge's gather kernel
-instead (`kvbridge.ipc_reader`); the thread polls the kernels' event, then sends the same notifications.
+instead (`kvbridge.ipc_reader`); the thread polls the kernels' event, then tells every worker over the side channel.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from kvbridge import wire
 from kvbridge.config import BridgeConfig
-from kvbridge.descriptors import Descriptors, block_lists, worker_descriptors
+from kvbridge.descriptors import block_lists, worker_descriptors
 from kvbridge.errors import KVBridgeError, RequestParamsError
 from kvbridge.host import host_id
 from kvbridge.identity import WorkerIdentity
@@ -44,9 +45,6 @@ if TYPE_CHECKING:
     from kvbridge.cuda_ipc import IpcHandle
 
 logger = logging.getLogger(__name__)
-
-
-_WAKE = object()  # queued by results() when the transfer thread has notifications to send
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ class DecodeWorker:
         self.mem_type = mem_type
         # A kv_both worker also runs a PrefillWorker: agent names must differ.
         self.transport = NixlTransport(identity.agent_name + "-reader", transport_config(config, mem_type))
-        self._jobs: queue.Queue[LoadJob | object | None] = queue.Queue()
+        self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed: set[str] = set()
@@ -119,7 +117,10 @@ class DecodeWorker:
         self._kernels: dict[tuple[str, int], dict] = {}  # per prefill engine read through CUDA IPC
         self._plans: dict[str, TransferPlan] = {}
         self._active: list[_Active] = []
-        self._to_notify: list[LoadJob] = []  # CUDA IPC loads done, prefill workers not yet told (under _nixl)
+        # Prefill workers to tell over the side channel, per load: a thread of their own sends them, so that a
+        # dead peer's timeouts never hold up transfers or vLLM's step.
+        self._notes: queue.Queue[tuple[LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
+        self._notifier: threading.Thread | None = None
         self._nixl = threading.Lock()  # the transport and _active: one caller at a time
         self._thread: threading.Thread | None = None
 
@@ -135,6 +136,8 @@ class DecodeWorker:
                 logger.warning("kvbridge decode %s: CUDA IPC path unavailable (%s); using NIXL", self.identity, exc)
         self._thread = threading.Thread(target=self._run, name=f"kvbridge-decode-{self.identity.rank}", daemon=True)
         self._thread.start()
+        self._notifier = threading.Thread(target=self._notify_loop, name="kvbridge-notify", daemon=True)
+        self._notifier.start()
         return self
 
     def load(self, job: LoadJob) -> None:
@@ -148,8 +151,6 @@ class DecodeWorker:
         if self._active and self._nixl.acquire(blocking=False):
             try:
                 self._poll()
-                if self._to_notify:
-                    self._jobs.put(_WAKE)  # the transfer thread may be idle: the notifications are its job
             finally:
                 self._nixl.release()
         with self._lock:
@@ -164,8 +165,11 @@ class DecodeWorker:
 
     def close(self) -> None:
         self._jobs.put(None)
+        self._notes.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._notifier is not None:
+            self._notifier.join(timeout=10)
         self.transport.close()
 
     # -- transfer thread ---------------------------------------------------------------------------
@@ -179,8 +183,6 @@ class DecodeWorker:
                 job = False
             if job is None:
                 return
-            if job is _WAKE:
-                job = False
             with self._nixl:
                 try:
                     if job:
@@ -194,9 +196,10 @@ class DecodeWorker:
                     logger.exception("kvbridge decode %s: transfer thread error", self.identity)
                     if job and not self._has(job):
                         self._finish(job, False, "internal error in the transfer thread (see log)")
-                notify, self._to_notify = self._to_notify, []
-            for done in notify:  # side-channel round trips, outside the lock: results() never waits on them
-                self._notify_side_channel(done)
+
+    def _notify_loop(self) -> None:
+        while (item := self._notes.get()) is not None:
+            self._notify_side_channel(*item)
 
     def _has(self, job: LoadJob) -> bool:
         return any(a.job is job for a in self._active)
@@ -225,10 +228,12 @@ class DecodeWorker:
             if self.config.verify_requests and job.remote_blocks:
                 self._claim(job, [rank for rank, d in descs.items() if len(d)])
             note = self._note(job)
+            reads = {rank: d for rank, d in descs.items() if len(d)}
             transfers = [
-                self.transport.read(peer.agent, descs.get(rank, Descriptors.empty()), self.memory, peer.memory, note)
-                for rank, peer in peers.items()
+                self.transport.read(peers[rank].agent, d, self.memory, peers[rank].memory, note)
+                for rank, d in reads.items()
             ]
+            self._notes.put((job, tuple(rank for rank in peers if rank not in reads)))
         except KVBridgeError as exc:
             self._forget(job.source)
             self._finish(job, False, str(exc))
@@ -259,12 +264,12 @@ class DecodeWorker:
     def _note(self, job: LoadJob) -> bytes:
         return wire.encode(self._notify_message(job))
 
-    def _notify_side_channel(self, job: LoadJob) -> None:
-        """Tell every prefill worker of the engine over the side channel (acknowledged), after a CUDA IPC copy:
-        no NIXL transfer carries the notification, and a bare NIXL one would wait for UCX progress. A worker that
-        does not answer frees the blocks when its lease expires; the load itself succeeded."""
+    def _notify_side_channel(self, job: LoadJob, ranks: tuple[WorkerRank, ...]) -> None:
+        """Tell prefill workers that no READ notifies (those read through CUDA IPC, those with nothing to read)
+        over the side channel, acknowledged. A worker that does not answer frees the blocks when its lease
+        expires; the load itself is not affected."""
         source, message = job.source, self._notify_message(job)
-        for rank in source.layout.workers():
+        for rank in ranks:
             port = side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
             try:
                 answer = exchange(source.remote_host, port, message, timeout_s=self.config.handshake_timeout_s)
@@ -302,8 +307,8 @@ class DecodeWorker:
                         # vLLM reuse blocks it is still writing (it takes milliseconds; the lease is far longer).
                         still.append(active)
                         continue
-                    self._complete(active)  # report first; the transfer thread tells the prefill side
-                    self._to_notify.append(active.job)
+                    self._complete(active)  # report first; the notifier thread tells the prefill side
+                    self._notes.put((active.job, tuple(active.job.source.layout.workers())))
                     continue
                 done = all(self.transport.poll(t) for t in active.transfers)
             except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on

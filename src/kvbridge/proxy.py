@@ -209,6 +209,12 @@ class ProxyConfig:
     """Largest request body accepted (413 above)."""
     max_connections: int = 1000
     """Connections to all backends together (httpx pool)."""
+    backend_keepalive_s: float = 0.0
+    """How long a connection to a backend may idle to be reused; 0: a new connection per leg (nginx's default
+    towards upstreams). Reuse races the backend's own keep-alive timeout (uvicorn: 5 s, vLLM's
+    VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a backend whose event loop stalls past it closes a reused connection with the
+    request already in it, and the client gets a 502. Seen in CI under load on 2 cores; on loopback a new
+    connection costs well under a millisecond."""
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "prefill_timeout_s", "decode_timeout_s", "health_interval_s"):
@@ -220,6 +226,8 @@ class ProxyConfig:
             raise ConfigError(f"connect_retries must be >= 0, got {self.connect_retries}")
         if self.max_inflight < 0:
             raise ConfigError(f"max_inflight must be >= 0, got {self.max_inflight}")
+        if self.backend_keepalive_s < 0:
+            raise ConfigError(f"backend_keepalive_s must be >= 0, got {self.backend_keepalive_s}")
         if self.max_body_bytes < 1 or self.max_connections < 1:
             raise ConfigError("max_body_bytes and max_connections must be positive")
         Balancer(self.prefill, self.decode)  # validates the URLs
@@ -382,8 +390,8 @@ class Proxy:
             timeout=httpx.Timeout(cfg.decode_timeout_s, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(
                 max_connections=cfg.max_connections,
-                max_keepalive_connections=min(cfg.max_connections, 100),
-                keepalive_expiry=1.0,  # well under uvicorn's 5 s keep-alive, even when this loop lags
+                max_keepalive_connections=min(cfg.max_connections, 100) if cfg.backend_keepalive_s else 0,
+                keepalive_expiry=cfg.backend_keepalive_s or None,
             ),
             trust_env=False,  # backends are reached directly, never through an HTTP(S)_PROXY
         )
@@ -836,6 +844,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-connections", type=int, default=d.max_connections, metavar="N", help="to all backends together"
     )
+    p.add_argument(
+        "--backend-keepalive",
+        type=float,
+        default=d.backend_keepalive_s,
+        metavar="S",
+        help="reuse idle backend connections for up to S seconds (0: a connection per leg; keep S well under the"
+        " backends' keep-alive timeout)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request")
 
@@ -856,6 +872,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_inflight=args.max_inflight,
         max_body_bytes=args.max_body_bytes,
         max_connections=args.max_connections,
+        backend_keepalive_s=args.backend_keepalive,
     )
 
 
