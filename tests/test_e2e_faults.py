@@ -77,10 +77,6 @@ def pair(tmp_path_factory):
             server.stop()
 
 
-def kv_usage(server: VllmServer) -> float:
-    return metric_sum(metrics(server.url), "vllm:kv_cache_usage_perc")
-
-
 def wait_for(predicate, timeout: float, interval: float = 0.25) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -97,22 +93,22 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def test_unread_request_is_freed_when_its_lease_expires(pair):
     prefill, _, _ = pair
-    baseline = kv_usage(prefill)
+    baseline = prefill.kv_usage()
     params = complete(prefill.url, prompt(1, 300), 1, kv_transfer_params={"do_remote_decode": True})
     assert params["kv_transfer_params"]["remote_block_ids"]
-    assert kv_usage(prefill) > baseline, "the prefill server should hold the request's blocks for a reader"
-    assert wait_for(lambda: kv_usage(prefill) == baseline, LEASE_S + 10), "blocks leaked after the lease expired"
+    assert prefill.kv_usage() > baseline, "the prefill server should hold the request's blocks for a reader"
+    assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S + 10), "blocks leaked after the lease expired"
     assert wait_for(lambda: metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total") >= 1, 15)
 
 
 def test_read_request_is_freed_as_soon_as_decode_notifies(pair):
     prefill, decode, _ = pair
-    baseline = kv_usage(prefill)
+    baseline = prefill.kv_usage()
     p = prompt(2, 260)
     first = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})
     t0 = time.monotonic()
     complete(decode.url, p, 4, kv_transfer_params=first["kv_transfer_params"])
-    assert wait_for(lambda: kv_usage(prefill) == baseline, LEASE_S / 2), "blocks not freed after the read"
+    assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S / 2), "blocks not freed after the read"
     assert time.monotonic() - t0 < LEASE_S, "freed only by the lease, not by the decode side's notification"
 
 
@@ -142,11 +138,11 @@ def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
     """A decode request aborted while it still waits to be scheduled never reads; the decode side tells the
     prefill workers so, and they free the blocks at once instead of at lease expiry."""
     prefill, decode, _ = pair
-    baseline = kv_usage(prefill)
+    baseline = prefill.kv_usage()
     expired = metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total")
     p = prompt(15, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
-    assert kv_usage(prefill) > baseline
+    assert prefill.kv_usage() > baseline
     with ThreadPoolExecutor(1) as pool:
         # The only sequence slot is busy with a long generation, so the PD request waits unscheduled...
         busy = pool.submit(complete, decode.url, prompt(16, 20), 400, None, 120, ignore_eos=True)
@@ -155,7 +151,7 @@ def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
         with pytest.raises(OSError):
             complete(decode.url, p, 8, kv_transfer_params=params, timeout=0.5)
         t0 = time.monotonic()
-        assert wait_for(lambda: kv_usage(prefill) == baseline, LEASE_S / 2), "blocks held until the lease"
+        assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S / 2), "blocks held until the lease"
         freed_after = time.monotonic() - t0
         busy.result()
     assert freed_after < LEASE_S / 2
@@ -228,14 +224,14 @@ def test_killed_decode_server_leaks_no_prefill_blocks(pair):
     """The decode server dies while its request waits for the KV: the prefill server frees the held blocks
     when the lease expires."""
     prefill, _, strict = pair
-    baseline = kv_usage(prefill)
+    baseline = prefill.kv_usage()
     p = prompt(14, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
-    assert kv_usage(prefill) > baseline
+    assert prefill.kv_usage() > baseline
     strict.stop(grace=0.5)
     with pytest.raises(OSError):
         complete(strict.url, p, 8, kv_transfer_params=params, timeout=10)
-    assert wait_for(lambda: kv_usage(prefill) == baseline, LEASE_S + 10), "the prefill server leaked blocks"
+    assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S + 10), "the prefill server leaked blocks"
 
 
 def test_dead_prefill_is_recomputed_and_decode_keeps_serving(pair):

@@ -45,10 +45,6 @@ def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
     )
 
 
-def usage(s: VllmServer) -> float:
-    return metric_sum(metrics(s.url), "vllm:kv_cache_usage_perc")
-
-
 def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
     model = build_tiny_model(tmp_path / "model")
     with network_hosts("prefill", "decode") as hosts:
@@ -78,13 +74,13 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
             assert metric_sum(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 880
 
             # Cut the prefill host off between the prefill leg and the decode leg.
-            baseline = usage(prefill)
+            baseline = prefill.kv_usage()
             prompt = [rng.randrange(1, 1000) for _ in range(300)]
             params = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})[
                 "kv_transfer_params"
             ]
             reference = complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
-            assert usage(prefill) > baseline
+            assert prefill.kv_usage() > baseline
             subprocess_ip("link", "set", ph.link, "down")
             try:
                 t0 = time.monotonic()
@@ -98,10 +94,10 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
             assert elapsed < 30, f"a cut link held the request for {elapsed:.1f} s"
             print(f"cut link: recomputed in {elapsed:.1f} s")
             deadline = time.monotonic() + LEASE_S + 15
-            while usage(prefill) != baseline and time.monotonic() < deadline:
+            while prefill.kv_usage() != baseline and time.monotonic() < deadline:
                 time.sleep(0.5)
-            assert usage(prefill) == baseline, "the prefill host leaked the unread request's blocks"
-            assert usage(decode) == 0.0
+            assert prefill.kv_usage() == baseline, "the prefill host leaked the unread request's blocks"
+            assert decode.kv_usage() == 0.0
 
             # The link is back: transfers work again.
             prompt = [rng.randrange(1, 1000) for _ in range(250)]

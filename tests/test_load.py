@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metrics
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -26,10 +26,6 @@ REQUESTS, CONCURRENCY, DISTINCT = 500, 32, 50
 
 def kv(role: str) -> dict:
     return kvbridge_config(role, side_channel_port=free_base_port(2), lease_s=60)
-
-
-def usage(server: VllmServer) -> float:
-    return metric_sum(metrics(server.url), "vllm:kv_cache_usage_perc")
 
 
 def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
@@ -85,7 +81,7 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
             rng = random.Random(5)
             prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(20, 400))] for _ in range(DISTINCT)]
             references = list(pool.map(lambda p: complete(prefill.url, p, 8)["choices"][0]["token_ids"], prompts))
-            base_p, base_d = usage(prefill), usage(decode)
+            base_p, base_d = prefill.kv_usage(), decode.kv_usage()
             order = [i % DISTINCT for i in range(REQUESTS)]
             rng.shuffle(order)
             t0 = time.monotonic()
@@ -98,12 +94,13 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
             print(f"\n{REQUESTS} requests at concurrency {CONCURRENCY} in {elapsed:.1f} s")
             ok = False
             for _ in range(60):
-                if usage(prefill) == base_p and usage(decode) == base_d:
+                if prefill.kv_usage() == base_p and decode.kv_usage() == base_d:
                     ok = True
                     break
                 time.sleep(0.5)
             assert ok, (
-                f"blocks leaked: prefill usage {usage(prefill)} (was {base_p}), decode {usage(decode)} ({base_d})"
+                f"blocks leaked: prefill usage {prefill.kv_usage()} (was {base_p}),"
+                f" decode {decode.kv_usage()} ({base_d})"
             )
         except BaseException:
             print(

@@ -242,6 +242,11 @@ class VllmServer:
     def _fail(self, why: str) -> ServerError:
         return ServerError(f"{self.name} ({self.url}, log {self.log_path}): {why}\n--- log tail ---\n{self.log_tail()}")
 
+    def kv_usage(self) -> float:
+        """vLLM's KV cache usage (0-1, summed over engines), from /metrics: back at its baseline once no request
+        holds blocks, which is how the tests see leaks."""
+        return metric_sum(metrics(self.url), "vllm:kv_cache_usage_perc")
+
     def is_healthy(self, timeout: float = 2.0) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=timeout) as resp:
