@@ -496,7 +496,6 @@ class Bench:
         (decode worker, prefill worker); the prefill buffers are `sources` (IPC-opened tensors)."""
         from kvbridge.gpu_gather import GatherKernel
 
-        src_bases = {k: v for k, v in self.prefill_ptrs.items()}
         for key in self.case_list():
             pair, layout, tokens, pattern = key
             case = self.cases.setdefault(key, {"pair": pair, "layout": layout, "tokens": tokens, "pattern": pattern})
@@ -508,7 +507,7 @@ class Bench:
             ptext, dtext = PAIRS[pair]
             plan = make_plan(ParallelLayout.parse(ptext), ParallelLayout.parse(dtext), self.g)
             dst = self.memories(pair, layout, 1, {k: v.data_ptr() for k, v in self.dec.items()})
-            src = self.memories(pair, layout, 0, src_bases)
+            src = self.memories(pair, layout, 0, self.prefill_ptrs)
             rec: dict = {"on": self.args.gather_on}
             try:
                 t0 = time.perf_counter()

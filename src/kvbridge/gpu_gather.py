@@ -89,8 +89,7 @@ class GatherKernel:
         self.interpret = self.device.type == "cpu"
         self.block_bytes = segments.block_bytes
         self._launches: list[_Launch] = []
-        pairs = np.stack([segments.src_region, segments.dst_region], axis=1) if len(segments) else np.zeros((0, 2))
-        for sr, dr in sorted({(int(a), int(b)) for a, b in pairs}):
+        for sr, dr in sorted(set(zip(segments.src_region.tolist(), segments.dst_region.tolist(), strict=True))):
             pick = (segments.src_region == sr) & (segments.dst_region == dr)
             rows = np.stack(
                 [
@@ -104,10 +103,10 @@ class GatherKernel:
             )
             # What the kernel may assume of every address it forms: the runs' offsets and strides, and the bases.
             bits = np.bitwise_or.reduce(rows.ravel(), initial=src_tensors[sr].data_ptr() | dst_tensors[dr].data_ptr())
-            bits |= 4096
-            if (bits & -bits) < WORD:
-                raise LayoutError(f"KV runs are only {bits & -bits}-byte aligned; the GPU path needs {WORD}")
-            align = min(4, (bits & -bits) // WORD)  # in words; 4 words = 16 bytes is all one access can use
+            aligned = int(bits & -bits) if bits else 4096  # the largest power of two dividing them all
+            if aligned < WORD:
+                raise LayoutError(f"KV runs are only {aligned}-byte aligned; the GPU path needs {WORD}")
+            align = min(4, aligned // WORD)  # in words; 4 words = 16 bytes is all one access can use
             rows //= WORD
             tile, even = _tile(rows[:, 4])
             self._launches.append(
