@@ -59,3 +59,46 @@ def test_region_and_tensor_mismatches_are_named():
         GatherKernel(seg[WorkerRank(0, 0)], mem.regions, [], mem.regions, [buf])
     with pytest.raises(LayoutError, match="does not cover"):
         GatherKernel(seg[WorkerRank(0, 0)], mem.regions, [buf[:16]], mem.regions, [buf])
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("pp=1", "pp=1"), ("pp=2", "tp=2"), ("tp=2", "pp=2")])
+def test_one_launch_spans_per_layer_tensors(prefill, decode):
+    """vLLM's per-layer KV tensors are separate allocations (regions): one launch per peer still reaches all of
+    them, through offsets from one base tensor, some of them negative."""
+    from kvbridge.plan import make_plan
+    from kvbridge.torch_memory import memory_from_tensors, region_tensors
+
+    geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
+    p, d = ParallelLayout.parse(prefill), ParallelLayout.parse(decode)
+    plan, blocks, gen = make_plan(p, d, geometry), 6, torch.Generator().manual_seed(3)
+
+    def worker(layout, rank, fill):
+        heads = len(layout.kv_heads(2, rank.tp))
+        caches = {}
+        for layer in reversed(layout.stage_layers(4, rank.pp)):
+            t = torch.empty(blocks, heads, 4, 16, dtype=torch.float32)
+            caches[f"layers.{layer}"] = t.normal_(generator=gen) if fill else t.zero_()
+        memory = memory_from_tensors(caches, lambda name: int(name.split(".")[1]))
+        return caches, memory, region_tensors(caches, memory)
+
+    sources = {pw: worker(p, pw, True) for pw in p.workers()}
+    sb, db, negative = [4, 0, 2], [1, 5, 3], False
+    for dw in d.workers():
+        caches, memory, regions = worker(d, dw, False)
+        assert len(memory.regions) > 1
+        negative |= min(r.addr for r in memory.regions) < memory.regions[0].addr  # an offset below the base
+        for pw, seg in worker_segments(plan, dw, memory, {r: s[1] for r, s in sources.items()}).items():
+            kernel = GatherKernel(seg, sources[pw][1].regions, sources[pw][2], memory.regions, regions)
+            assert kernel.launches == 1
+            kernel.launch(kernel.block_ids(sb, db))
+        my_heads = d.kv_heads(2, dw.tp)
+        for name, t in caches.items():
+            layer = int(name.split(".")[1])
+            for head in my_heads:
+                holds = (pw for pw in p.workers() if layer in p.stage_layers(4, pw.pp) and head in p.kv_heads(2, pw.tp))
+                pw = next(holds)
+                src = sources[pw][0][name][:, head - p.kv_heads(2, pw.tp).start]
+                assert torch.equal(t[db, head - my_heads.start], src[sb])
+            untouched = [b for b in range(blocks) if b not in db]
+            assert not t[untouched].any()
+    assert negative

@@ -40,4 +40,27 @@ def test_request_moves_exactly(prefill, decode, heads):
     assert all(ids == ["prefill-req-0"] for ids in released.values())
     # Freed because every reader said so (a READ's notification or the side channel), not at lease expiry.
     assert all(expired == 0 for _, _, expired, _ in result["prefill_released"]), result["prefill_released"]
-    assert all(expired == 0 for _, _, expired, _ in result["prefill_released"])
+
+
+@pytest.mark.nixl
+def test_per_layer_allocations_and_several_requests():
+    """KV in one allocation per layer (as vLLM allocates on GPU: a region each), three requests one after another,
+    each claimed before it is read (verify_requests, the default)."""
+    scenario = Scenario(
+        ParallelLayout.parse("pp=2,tp=1"),
+        ParallelLayout.parse("pp=1,tp=2"),
+        KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32", block_size=16),
+        num_blocks=48,
+        request_blocks=9,
+        seed=5,
+        repeats=3,
+        layer_tensors=True,
+    )
+    result = run_transfer(scenario, timeout_s=90)
+    for worker in result["decode"]:
+        assert worker["ok"] and not worker["failed"] and worker["exact"] and worker["untouched_clean"], worker
+        assert len(worker["transfer_times_s"]) == 3
+    want = ["prefill-req-0", "prefill-req-1", "prefill-req-2"]
+    assert sorted((rank, ids, expired) for rank, ids, expired, _ in result["prefill_released"]) == [
+        (str(w), want, 0) for w in scenario.prefill.workers()
+    ]

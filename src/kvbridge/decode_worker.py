@@ -9,7 +9,10 @@ sit unsent until UCX happens to make progress), then polls the READs with backof
 failed ids; nothing here raises into the engine.
 
 GPU memory on both sides, same host: the engine's workers are read through CUDA IPC by kvbridge's gather kernel
-instead (`kvbridge.ipc_reader`); the thread polls the kernels' event, then tells every worker over the side channel.
+instead (`kvbridge.ipc_reader`). The transfer thread launches, then claims the blocks while the kernel runs (a
+read before the claim is safe: it only reads, and the load counts only if the claim then succeeds); a waiter thread
+sleeps on the kernels' blocking-sync CUDA event, reports the load the moment it completes, and hands the
+notifications to the notifier thread.
 """
 
 from __future__ import annotations
@@ -75,7 +78,10 @@ class _Active:
     started: float
     nbytes: int
     descriptors: int
-    event: Any = None  # the gather kernels' CUDA event (IPC path); the prefill workers are told once it completes
+    # IPC path: the gather kernels' CUDA event. No timeout once launched: a kernel cannot be cancelled, and failing
+    # the load would let vLLM reuse blocks it still writes (it takes milliseconds; the lease is far longer).
+    event: Any = None
+    error: str = ""  # IPC path: the claim failed while the kernel ran; the load fails once the kernel is done
 
 
 @dataclass
@@ -121,6 +127,9 @@ class DecodeWorker:
         # dead peer's timeouts never hold up transfers or vLLM's step.
         self._notes: queue.Queue[tuple[LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
         self._notifier: threading.Thread | None = None
+        # IPC loads whose kernels run, in launch order (one stream: their events complete in that order).
+        self._launched: queue.Queue[_Active | None] = queue.Queue()
+        self._waiter: threading.Thread | None = None
         self._nixl = threading.Lock()  # the transport and _active: one caller at a time
         self._thread: threading.Thread | None = None
 
@@ -132,6 +141,8 @@ class DecodeWorker:
                 from kvbridge.ipc_reader import IpcReader
 
                 self._ipc = IpcReader(self.memory, self._regions)
+                self._waiter = threading.Thread(target=self._wait_loop, name="kvbridge-ipc-wait", daemon=True)
+                self._waiter.start()
             except Exception as exc:  # no Triton, no CUDA: NIXL only
                 logger.warning("kvbridge decode %s: CUDA IPC path unavailable (%s); using NIXL", self.identity, exc)
         self._thread = threading.Thread(target=self._run, name=f"kvbridge-decode-{self.identity.rank}", daemon=True)
@@ -165,9 +176,12 @@ class DecodeWorker:
 
     def close(self) -> None:
         self._jobs.put(None)
-        self._notes.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self._launched.put(None)  # after the transfer thread: it launches no more
+        if self._waiter is not None:
+            self._waiter.join(timeout=60)
+        self._notes.put(None)
         if self._notifier is not None:
             self._notifier.join(timeout=10)
         self.transport.close()
@@ -279,37 +293,47 @@ class DecodeWorker:
                 logger.warning("kvbridge decode %s: prefill worker %s not notified: %s", self.identity, rank, answer)
 
     def _start_ipc(self, job: LoadJob, peers: dict[WorkerRank, _Peer], kernels: dict, started: float) -> None:
-        """The CUDA IPC path: check the blocks, claim, launch; `_poll` notifies once the kernels are done."""
+        """The CUDA IPC path: check the blocks, launch, claim while the kernel runs; the waiter thread reports."""
         try:
             for rank in kernels:
                 block_lists(job.remote_blocks, job.local_blocks, peers[rank].memory, self.memory)
-            if self.config.verify_requests and job.remote_blocks:
-                self._claim(job, list(kernels))
             live = kernels if job.local_blocks else {}
             event = self._ipc.launch(live, job.remote_blocks, job.local_blocks)
-        except KVBridgeError as exc:
+        except Exception as exc:  # bad block ids, or a launch error: nothing may still write our blocks
+            if not isinstance(exc, KVBridgeError):
+                logger.exception("kvbridge decode %s: gather kernel launch failed", self.identity)
+                with contextlib.suppress(Exception):
+                    self._ipc.stream.synchronize()
             self._forget(job.source)
             self._finish(job, False, str(exc))
             return
         nbytes = sum(k.block_bytes for k in live.values()) * len(job.local_blocks)
-        active = _Active(job, [], started + self.config.transfer_timeout_s, started, nbytes, 0)
-        active.event = event
-        self._active.append(active)
-        self._poll()
+        active = _Active(job, [], started + self.config.transfer_timeout_s, started, nbytes, 0, event)
+        if self.config.verify_requests and job.remote_blocks:
+            try:
+                self._claim(job, list(kernels))
+            except Exception as exc:  # reported once the kernel is done: it still writes our blocks
+                active.error = str(exc) if isinstance(exc, KVBridgeError) else f"claim failed: {exc!r}"
+        self._launched.put(active)
+
+    def _wait_loop(self) -> None:
+        """Report IPC loads as their kernels finish, sleeping in the CUDA driver meanwhile (no polling)."""
+        while (active := self._launched.get()) is not None:
+            try:
+                active.event.synchronize()  # a blocking-sync event: the thread sleeps, without the GIL
+            except Exception as exc:  # a CUDA error: the bytes are unknown; the load fails, vLLM recomputes
+                logger.exception("kvbridge decode %s: gather kernel failed", self.identity)
+                active.error = active.error or f"gather kernel failed: {exc}"
+            if active.error:
+                self._finish(active.job, False, active.error)
+                continue  # the claim failed: the prefill side does not hold the request
+            self._complete(active)  # report first; the notifier thread tells the prefill side
+            self._notes.put((active.job, tuple(active.job.source.layout.workers())))
 
     def _poll(self) -> None:
         still = []
         for active in self._active:
             try:
-                if active.event is not None:
-                    if not active.event.query():
-                        # No timeout here: a launched kernel cannot be cancelled, and failing the load would let
-                        # vLLM reuse blocks it is still writing (it takes milliseconds; the lease is far longer).
-                        still.append(active)
-                        continue
-                    self._complete(active)  # report first; the notifier thread tells the prefill side
-                    self._notes.put((active.job, tuple(active.job.source.layout.workers())))
-                    continue
                 done = all(self.transport.poll(t) for t in active.transfers)
             except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on
                 if not isinstance(exc, KVBridgeError):

@@ -2,8 +2,9 @@
 
 Program (i, k) copies table row k's run of block pair i, computing both addresses from the block ids:
 `src + row[0] + ids[i] * row[2]` to `dst + row[1] + ids[num_pairs + i] * row[3]`, `row[4]` words, all in int32
-words. `ALIGN` (words) tells Triton the addresses' alignment so it can use 16-byte accesses; `EVEN` says every
-run is a multiple of `TILE` words, so no masks are needed.
+words; `src` and `dst` are base pointers, and an offset may lead into another allocation (another region).
+`ALIGN` (words) tells Triton the addresses' alignment so it can use 16-byte accesses; `EVEN` says every run is a
+multiple of `TILE` words, so no masks are needed.
 """
 
 from __future__ import annotations

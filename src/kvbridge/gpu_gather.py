@@ -13,7 +13,6 @@ the same kernel runs in Triton's interpreter, which is how the tests check its a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
 
 WORD = 4  # bytes per element the kernel moves (int32); Triton widens aligned runs to 16-byte accesses
 MAX_TILE = 4096  # words per loop step of one program: 16 KiB
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the runs of one launch)
 
 
 _COMPILED: dict[bool, object] = {}
@@ -38,18 +38,6 @@ def _kernel(interpret: bool):
 
         _COMPILED[interpret] = compiled(interpret)
     return _COMPILED[interpret]
-
-
-@dataclass(frozen=True)
-class _Launch:
-    """The segments between one source region and one destination region, as a device table in words."""
-
-    src: torch.Tensor  # int32 view of the source region
-    dst: torch.Tensor  # int32 view of the destination region
-    table: torch.Tensor  # [n, 5] int64: source offset, destination offset, the two block strides, length
-    tile: int
-    align: int
-    even: bool
 
 
 def _tile(lengths_words: np.ndarray) -> tuple[int, bool]:
@@ -88,37 +76,39 @@ class GatherKernel:
         self.device = src_tensors[0].device if src_tensors else torch.device("cpu")
         self.interpret = self.device.type == "cpu"
         self.block_bytes = segments.block_bytes
-        self._launches: list[_Launch] = []
-        for sr, dr in sorted(set(zip(segments.src_region.tolist(), segments.dst_region.tolist(), strict=True))):
-            pick = (segments.src_region == sr) & (segments.dst_region == dr)
-            rows = np.stack(
-                [
-                    segments.src_addr[pick] - src_regions[sr].addr,
-                    segments.dst_addr[pick] - dst_regions[dr].addr,
-                    segments.src_block_stride[pick],
-                    segments.dst_block_stride[pick],
-                    segments.length[pick],
-                ],
-                axis=1,
-            )
-            # What the kernel may assume of every address it forms: the runs' offsets and strides, and the bases.
-            bits = np.bitwise_or.reduce(rows.ravel(), initial=src_tensors[sr].data_ptr() | dst_tensors[dr].data_ptr())
-            aligned = int(bits & -bits) if bits else 4096  # the largest power of two dividing them all
-            if aligned < WORD:
-                raise LayoutError(f"KV runs are only {aligned}-byte aligned; the GPU path needs {WORD}")
-            align = min(4, aligned // WORD)  # in words; 4 words = 16 bytes is all one access can use
-            rows //= WORD
-            tile, even = _tile(rows[:, 4])
-            self._launches.append(
-                _Launch(
-                    src=_words(src_tensors[sr]),
-                    dst=_words(dst_tensors[dr]),
-                    table=torch.from_numpy(np.ascontiguousarray(rows)).to(self.device),
-                    tile=tile,
-                    align=align,
-                    even=even,
-                )
-            )
+        self._tables: list[torch.Tensor] = []
+        if not len(segments):
+            return
+        # One launch for every region pair: each run's addresses become word offsets from one base tensor per
+        # side (the regions are separate allocations, but all in this process's address space), so vLLM's
+        # per-layer tensors cost one launch per peer rather than one per layer.
+        sr, dr = segments.src_region, segments.dst_region
+        src_ptr = np.array([t.data_ptr() - r.addr for t, r in zip(src_tensors, src_regions, strict=True)], np.int64)
+        dst_ptr = np.array([t.data_ptr() - r.addr for t, r in zip(dst_tensors, dst_regions, strict=True)], np.int64)
+        self._src, self._dst = src_tensors[int(sr[0])], dst_tensors[int(dr[0])]
+        src_base, dst_base = self._src.data_ptr(), self._dst.data_ptr()
+        rows = np.stack(
+            [
+                segments.src_addr + src_ptr[sr] - src_base,
+                segments.dst_addr + dst_ptr[dr] - dst_base,
+                segments.src_block_stride,
+                segments.dst_block_stride,
+                segments.length,
+            ],
+            axis=1,
+        )
+        # What the kernel may assume of every address it forms: the offsets, strides and lengths, and the bases.
+        bits = int(np.bitwise_or.reduce(rows.ravel(), initial=src_base | dst_base))
+        aligned = bits & -bits if bits else 4096  # the largest power of two dividing them all
+        if aligned < WORD:
+            raise LayoutError(f"KV runs are only {aligned}-byte aligned; the GPU path needs {WORD}")
+        self._align = min(4, aligned // WORD)  # in words; 4 words = 16 bytes is all one access can use
+        rows //= WORD
+        self._tile, self._even = _tile(rows[:, 4])
+        self._keep = (tuple(src_tensors), tuple(dst_tensors))  # IPC mappings must outlive the kernel
+        self._src_words, self._dst_words = _words(self._src), _words(self._dst)
+        table = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
+        self._tables = [table[k : k + MAX_GRID_Y] for k in range(0, len(table), MAX_GRID_Y)]
 
     def block_ids(self, src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray) -> torch.Tensor:
         """A request's two block-id lists as one int32 tensor on the kernel's device, uploaded once and shared by
@@ -140,18 +130,22 @@ class GatherKernel:
         import torch
 
         n = ids.numel() // 2
-        if n == 0 or not self._launches:
+        if n == 0 or not self._tables:
             return
         kernel = _kernel(self.interpret)
+        args = dict(TILE=self._tile, ALIGN=self._align, EVEN=self._even)
         if self.interpret:
-            for lc in self._launches:
-                grid = (n, lc.table.shape[0])
-                kernel[grid](lc.src, lc.dst, ids, lc.table, n, TILE=lc.tile, ALIGN=lc.align, EVEN=lc.even)
+            for table in self._tables:
+                kernel[(n, table.shape[0])](self._src_words, self._dst_words, ids, table, n, **args)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            for lc in self._launches:
-                grid = (n, lc.table.shape[0])
-                kernel[grid](lc.src, lc.dst, ids, lc.table, n, TILE=lc.tile, ALIGN=lc.align, EVEN=lc.even, num_warps=8)
+            for table in self._tables:
+                kernel[(n, table.shape[0])](self._src_words, self._dst_words, ids, table, n, **args, num_warps=8)
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches per request (one, unless a peer has more than 65535 runs per block pair)."""
+        return len(self._tables)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """A decode worker's same-host GPU path: read a prefill engine's KV through CUDA IPC with one kernel per worker.
 
 Per prefill engine, once: open every worker's exported regions (`kvbridge.cuda_ipc`) for this worker's GPU, and
-build a `GatherKernel` from the plan's segments. Per request: upload the two block-id lists, launch, record an
-event; the decode worker polls the event and then notifies the prefill workers over NIXL as it does after READs.
+build a `GatherKernel` from the plan's segments. Per request: upload the two block-id lists, launch, record a
+blocking-sync event; the decode worker's waiter thread sleeps on it, then the prefill workers are told over the
+side channel.
 The kernel runs on this worker's GPU and pulls the pages over NVLink (peer access, enabled lazily by the IPC
 mapping), so the prefill GPU runs nothing and this process makes no context on it.
 
@@ -68,8 +69,8 @@ class IpcReader:
         """Enqueue one request's copies from every worker in `kernels`; the returned event completes with them."""
         import torch
 
+        event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps instead of spinning on a core
         if not kernels:
-            event = torch.cuda.Event()
             event.record(self.stream)
             return event
         first = next(iter(kernels.values()))
@@ -77,6 +78,5 @@ class IpcReader:
             ids = first.block_ids(remote_blocks, local_blocks)
             for kernel in kernels.values():
                 kernel.launch(ids, self.stream)
-            event = torch.cuda.Event()
             event.record(self.stream)
         return event

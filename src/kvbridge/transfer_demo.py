@@ -36,7 +36,8 @@ class Scenario:
     prefill_device: str = "cpu"
     decode_device: str = "cpu"
     config: BridgeConfig | None = None  # the side-channel port is set by run_transfer
-    repeats: int = 1  # loads of the same blocks one after another (timing; needs config.verify_requests False)
+    repeats: int = 1  # requests with the same blocks, loaded one after another (timing)
+    layer_tensors: bool = False  # one KV allocation per layer (vLLM on GPU) instead of one for all layers
 
     def blocks(self) -> tuple[list[int], list[int]]:
         """A request's scattered block ids on each side (seeded, never adjacent by construction)."""
@@ -65,10 +66,13 @@ def _env(scenario: Scenario) -> dict[str, str]:
 
 
 def _worker_kv(scenario: Scenario, layout: ParallelLayout, rank: WorkerRank, fill, device: str = "cpu"):
-    """A worker's KV in vLLM's CPU layout (LBHNC) on `device`, its memory description, its layers and heads."""
+    """A worker's KV in vLLM 0.32's layout on `device`: one [blocks, heads, block_size, 2*head_size] tensor per
+    layer, in one allocation (vLLM on CPU) or one each (`scenario.layer_tensors`, as vLLM allocates on GPU). Returns
+    the per-layer tensors, the memory description and its regions as tensors (as the connector builds them), and
+    the worker's layers and heads."""
     import torch
 
-    from kvbridge.memory import synthesize_memory
+    from kvbridge.torch_memory import memory_from_tensors, region_tensors
 
     g = scenario.geometry
     layers = layout.stage_layers(g.num_layers, rank.pp)
@@ -76,33 +80,45 @@ def _worker_kv(scenario: Scenario, layout: ParallelLayout, rank: WorkerRank, fil
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    kv = torch.empty((len(layers), scenario.num_blocks, len(heads), g.block_size, 2 * g.head_size), device=dev)
-    if fill is not None:
-        kv.copy_(fill[layers.start : layers.stop, :, heads.start : heads.stop])
+    shape = (scenario.num_blocks, len(heads), g.block_size, 2 * g.head_size)
+    if scenario.layer_tensors:
+        tensors = [torch.empty(shape, device=dev) for _ in layers]
     else:
-        kv.fill_(float("nan"))
-    index = (dev.index or 0) if dev.type == "cuda" else 0
-    memory = synthesize_memory("LBHNC", g, list(layers), len(heads), scenario.num_blocks, kv.data_ptr(), index)
-    return kv, memory, layers, heads
+        tensors = list(torch.empty((len(layers), *shape), device=dev).unbind(0))
+    for layer, t in zip(layers, tensors, strict=True):
+        if fill is not None:
+            t.copy_(fill[layer, :, heads.start : heads.stop])
+        else:
+            t.fill_(float("nan"))
+    caches = {f"layers.{layer}": t for layer, t in zip(layers, tensors, strict=True)}
+    memory = memory_from_tensors(caches, lambda name: int(name.split(".")[1]))
+    return tensors, memory, region_tensors(caches, memory), layers, heads
 
 
-def _prefill_main(scenario, rank, config, engine_id, request_id, ready, finished, stop):
+def request_ids(scenario: Scenario) -> list[str]:
+    """The prefill engine's requests, one per repeat, all on the same blocks."""
+    return [f"prefill-req-{i}" for i in range(scenario.repeats)]
+
+
+def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
     os.environ.update(_env(scenario))
     from kvbridge.identity import WorkerIdentity
     from kvbridge.prefill_worker import PrefillWorker
 
-    kv, memory, _, _ = _worker_kv(
+    tensors, memory, regions, _, _ = _worker_kv(
         scenario, scenario.prefill, rank, _reference(scenario, scenario.prefill_device), scenario.prefill_device
     )
     ident = WorkerIdentity(engine_id, scenario.prefill, 0, rank, scenario.geometry)
     ipc = ()
-    if kv.is_cuda and config.gpu_peer_copy == "auto":
+    cuda = regions[0].is_cuda
+    if cuda and config.gpu_peer_copy == "auto":
         from kvbridge.cuda_ipc import export_region
 
-        ipc = (export_region(kv),)
-    worker = PrefillWorker(ident, memory, config, "VRAM" if kv.is_cuda else "DRAM", ipc=ipc).start()
+        ipc = tuple(export_region(r) for r in regions)
+    worker = PrefillWorker(ident, memory, config, "VRAM" if cuda else "DRAM", ipc=ipc).start()
     try:
-        worker.hold(request_id, tuple(scenario.blocks()[0]))
+        for request_id in request_ids(scenario):
+            worker.hold(request_id, tuple(scenario.blocks()[0]))
         ready.put(("ready", str(rank)))
         start = time.monotonic()
         while not stop.is_set():
@@ -112,20 +128,21 @@ def _prefill_main(scenario, rank, config, engine_id, request_id, ready, finished
             time.sleep(0.01)
     finally:
         worker.close()
-        del kv
+        del tensors, regions
 
 
 def _decode_main(scenario, rank, config, source, results):
     os.environ.update(_env(scenario))
+    import msgspec
     import torch
 
     from kvbridge.decode_worker import DecodeWorker, LoadJob
     from kvbridge.identity import WorkerIdentity
 
-    kv, memory, layers, heads = _worker_kv(scenario, scenario.decode, rank, None, scenario.decode_device)
+    tensors, memory, regions, layers, heads = _worker_kv(scenario, scenario.decode, rank, None, scenario.decode_device)
     ident = WorkerIdentity("demo-decode", scenario.decode, 0, rank, scenario.geometry)
-    mem_type = "VRAM" if kv.is_cuda else "DRAM"
-    worker = DecodeWorker(ident, memory, config, mem_type, (kv.view(-1).view(torch.uint8),)).start()
+    mem_type = "VRAM" if regions[0].is_cuda else "DRAM"
+    worker = DecodeWorker(ident, memory, config, mem_type, regions).start()
     try:
         src, dst = scenario.blocks()
         t0 = time.monotonic()
@@ -134,8 +151,9 @@ def _decode_main(scenario, rank, config, source, results):
         seconds: list[float] = []
         nbytes = descriptors = 0
         deadline = t0 + 60
-        for i in range(scenario.repeats):
-            worker.load(LoadJob(f"decode-req-{i}", source, tuple(dst), tuple(src)))
+        for i, request_id in enumerate(request_ids(scenario)):
+            job_source = msgspec.structs.replace(source, remote_request_id=request_id)
+            worker.load(LoadJob(f"decode-req-{i}", job_source, tuple(dst), tuple(src)))
             while len(done) + len(failed) <= i and time.monotonic() < deadline:
                 d, f, s = worker.results()
                 done |= d
@@ -147,10 +165,9 @@ def _decode_main(scenario, rank, config, source, results):
         ok = len(done) == scenario.repeats
         ref = _reference(scenario, scenario.decode_device)
         want = ref[layers.start : layers.stop][:, src][:, :, heads.start : heads.stop]
-        got = kv[:, dst]
-        exact = ok and torch.equal(got, want)
+        exact = ok and all(torch.equal(t[dst], w) for t, w in zip(tensors, want, strict=True))
         untouched = [b for b in range(scenario.num_blocks) if b not in set(dst)]
-        clean = bool(torch.isnan(kv[:, untouched]).all()) if untouched else True
+        clean = all(bool(torch.isnan(t[untouched]).all()) for t in tensors) if untouched else True
         results.put(
             {
                 "decode_worker": str(rank),
@@ -203,11 +220,10 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
     config = msgspec.structs.replace(config, side_channel_port=base)
     ready, finished, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop = ctx.Event()
-    request_id = "prefill-req-0"
     src, _ = scenario.blocks()
     source = PrefillDone(
         remote_engine_id="demo-prefill",
-        remote_request_id=request_id,
+        remote_request_id="",  # set per request
         remote_block_ids=src,
         remote_host="127.0.0.1",
         remote_port=base,
@@ -220,7 +236,7 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
         for rank in scenario.prefill.workers():
             p = ctx.Process(
                 target=_prefill_main,
-                args=(scenario, rank, config, "demo-prefill", request_id, ready, finished, stop),
+                args=(scenario, rank, config, "demo-prefill", ready, finished, stop),
                 daemon=True,
             )
             p.start()
@@ -233,13 +249,24 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
             p.start()
             procs.append(p)
         decoded = [results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in scenario.decode.workers()]
-        released = []
-        while len(released) < scenario.prefill.workers_per_engine and time.monotonic() < deadline:
+        # Per prefill worker: (rank, every request it freed, how many at lease expiry, seconds until the last).
+        released: dict[str, tuple[str, list[str], int, float]] = {}
+        everything = set(request_ids(scenario))
+
+        def complete() -> bool:
+            return len(released) == scenario.prefill.workers_per_engine and all(
+                set(ids) == everything for _, ids, _, _ in released.values()
+            )
+
+        while not complete() and time.monotonic() < deadline:
             try:
-                released.append(finished.get(timeout=1.0))
+                rank, ids, expired, at = finished.get(timeout=1.0)
             except queue.Empty:
                 continue
-        return {"decode": sorted(decoded, key=lambda r: r["decode_worker"]), "prefill_released": released}
+            _, before, before_expired, _ = released.get(rank, (rank, [], 0, 0.0))
+            released[rank] = (rank, sorted({*before, *ids}), before_expired + expired, at)
+        decoded.sort(key=lambda r: r["decode_worker"])
+        return {"decode": decoded, "prefill_released": list(released.values())}
     finally:
         stop.set()
         for p in procs:
