@@ -325,8 +325,10 @@ class Bench:
     def checker(self, pair: str, layout: str, plan: TransferPlan, sb: np.ndarray, db: np.ndarray):
         return lambda: self.verify(pair, layout, plan, sb, db)
 
-    def measure(self, fn, pair=None, check=None) -> dict:
-        """Warm up once and check, then time repetitions (as many as fit the time budget) and check again."""
+    def measure(self, fn, pair=None, check=None, paired=None) -> dict:
+        """Warm up once and check, then time repetitions (as many as fit the time budget) and check again.
+        `paired` (the reference copy) runs before each repetition, so both see the same machine state; its
+        median is `paired_s`."""
         out: dict = {}
         try:
             if pair:
@@ -335,8 +337,15 @@ class Bench:
             if check:
                 out["check_warmup"] = check()
                 self.poison(pair)
-            reps = max(self.args.min_reps, min(self.args.reps, int(self.args.budget_s / max(first["s"], 1e-6))))
-            runs = [fn() for _ in range(reps)]
+            budget = self.args.budget_s / max(first["s"], 1e-6)
+            reps = max(self.args.min_reps, min(self.args.reps, int(budget)))
+            runs, refs = [], []
+            for _ in range(reps):
+                if paired:
+                    refs.append(paired()["s"])
+                runs.append(fn())
+            if refs:
+                out["paired_s"] = statistics.median(refs)
             if check:
                 out["check"] = check()
                 out["ok"] = out["check_warmup"]["ok"] and out["check"]["ok"]
@@ -480,14 +489,24 @@ class Bench:
             self.log(short_line(case))
 
     def gather_fn(self, kernels: list, sb: np.ndarray, db: np.ndarray, devices: tuple):
+        gpu = kernels[0].device.type == "cuda"
+
         def run() -> dict:
             sync(*devices)
+            if gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(torch.cuda.current_stream(kernels[0].device))
             t0 = time.perf_counter()
             ids = kernels[0].block_ids(sb, db)  # one upload: the kernels share the request's block ids
             for k in kernels:
                 k.launch(ids)
+            if gpu:
+                end.record(torch.cuda.current_stream(kernels[0].device))
             sync(*devices)
-            return {"s": time.perf_counter() - t0}
+            out = {"s": time.perf_counter() - t0}
+            if gpu:
+                out["kernel_s"] = start.elapsed_time(end) / 1e3
+            return out
 
         return run
 
@@ -508,33 +527,45 @@ class Bench:
             plan = make_plan(ParallelLayout.parse(ptext), ParallelLayout.parse(dtext), self.g)
             dst = self.memories(pair, layout, 1, {k: v.data_ptr() for k, v in self.dec.items()})
             src = self.memories(pair, layout, 0, self.prefill_ptrs)
-            rec: dict = {"on": self.args.gather_on}
-            try:
-                t0 = time.perf_counter()
-                kernels, segments = [], 0
-                for r, dmem in dst.items():
-                    for pw, seg in worker_segments(plan, r, dmem, src).items():
-                        segments += len(seg)
-                        kernels.append(
-                            GatherKernel(
-                                seg,
-                                src[pw].regions,
-                                [sources[(ptext, pw)]],
-                                dmem.regions,
-                                [self.dec[(dtext, r)]],
+            best = None
+            for name in self.args.gather_configs:
+                warps, streaming = int(name.rstrip("s")), name.endswith("s")
+                rec: dict = {"on": self.args.gather_on, "config": name}
+                try:
+                    t0 = time.perf_counter()
+                    kernels, segments = [], 0
+                    for r, dmem in dst.items():
+                        for pw, seg in worker_segments(plan, r, dmem, src).items():
+                            segments += len(seg)
+                            kernels.append(
+                                GatherKernel(
+                                    seg,
+                                    src[pw].regions,
+                                    [sources[(ptext, pw)]],
+                                    dmem.regions,
+                                    [self.dec[(dtext, r)]],
+                                    num_warps=warps,
+                                    streaming=streaming,
+                                )
                             )
+                    rec.update(setup_s=time.perf_counter() - t0, launches=len(kernels), segments=segments)
+                    rec["programs"] = segments * len(sb)
+                    devices = (self.pdev, self.ddev)
+                    rec.update(
+                        self.measure(
+                            self.gather_fn(kernels, sb, db, devices),
+                            pair,
+                            self.checker(pair, layout, plan, sb, db),
+                            paired=self.copy_fn(nbytes),
                         )
-                rec.update(setup_s=time.perf_counter() - t0, launches=len(kernels), segments=segments)
-                rec["programs"] = segments * len(sb)
-                devices = (self.pdev, self.ddev)
-                rec.update(
-                    self.measure(
-                        self.gather_fn(kernels, sb, db, devices), pair, self.checker(pair, layout, plan, sb, db)
                     )
-                )
-            except Exception:
-                rec["error"] = traceback.format_exc()
-                self.log(f"gather: {rec['error'].strip().splitlines()[-1]}")
+                except Exception:
+                    rec["error"] = traceback.format_exc()
+                    self.log(f"gather: {rec['error'].strip().splitlines()[-1]}")
+                case[f"gather-{name}"] = rec
+                if "s" in rec and (best is None or paired_ratio(rec) > paired_ratio(best)):
+                    best = rec
+            rec = best or rec
             case["gather"] = rec
             if (
                 self.args.staged
@@ -621,6 +652,11 @@ def pick_kernel(case: dict) -> str | None:
 # -- reporting ---------------------------------------------------------------------------------------------
 
 
+def paired_ratio(rec: dict) -> float:
+    """A variant's speed over the reference copy timed alternately with it (1.0: as fast as the copy)."""
+    return rec["paired_s"] / rec["s"] if rec.get("paired_s") and rec.get("s") else 0.0
+
+
 def gbps(case: dict, variant: str) -> float | None:
     rec = case.get(variant) or {}
     return case["bytes"] / rec["s"] / 1e9 if "s" in rec else None
@@ -647,7 +683,7 @@ def table(cases: list[dict]) -> str:
     head = (
         f"{'pair':9}{'layout':6}{'tok':>4} {'blocks':8}{'MiB':>5}{'copy':>5} |{'nixl (descs)':>16}{'ms':>8}"
         f" |{'nixl-blk (descs)':>16}{'ms':>8} |{'kernel (items)':>16}{'ms':>6}{'k-only':>7}"
-        f" |{'gather (progs)':>16}{'ms':>6}{'staged':>7} | nixl kernel gather staged /copy"
+        f" |{'gather (progs)':>16}{'ms':>6}{'g-only':>7}{'staged':>7} | nixl kernel gather staged /copy"
     )
     lines = [head, "-" * len(head)]
     for c in cases:
@@ -656,14 +692,18 @@ def table(cases: list[dict]) -> str:
         copy = gbps(c, "copy")
         variants = ("nixl", "kernel", "gather", "staged")
         ratio = {v: f"{gbps(c, v) / copy:.2f}" if gbps(c, v) and copy else "-" for v in variants}
+        if paired_ratio(c.get("gather") or {}):  # against the copy timed alternately with it
+            ratio["gather"] = f"{paired_ratio(c['gather']):.2f}"
         ks = (c.get("kernel") or {}).get("kernel_s")
         konly = f"{c['bytes'] / ks / 1e9:7.0f}" if ks else f"{'-':>7}"
+        gs = (c.get("gather") or {}).get("kernel_s")
+        gonly = f"{c['bytes'] / gs / 1e9:7.0f}" if gs else f"{'-':>7}"
         tok = f"{c['tokens'] // 1024}k" if c["tokens"] % 1024 == 0 else str(c["tokens"])
         lines.append(
             f"{c['pair']:9}{c['layout']:6}{tok:>4} {c['pattern'][:7]:8}{c['bytes'] / 2**20:5.0f}{(copy or 0):5.0f} |"
             f"{cell(c, 'nixl'):>16}{fmt['nixl']} |{cell(c, 'nixl-blk'):>16}{fmt['nixl-blk']} |"
             f"{cell(c, 'kernel', 'items'):>16}{fmt['kernel'][2:]}{konly} |"
-            f"{cell(c, 'gather', 'programs'):>16}{fmt['gather'][2:]}{cell(c, 'staged', None):>7} |"
+            f"{cell(c, 'gather', 'programs'):>16}{fmt['gather'][2:]}{gonly}{cell(c, 'staged', None):>7} |"
             f" {ratio['nixl']:>4} {ratio['kernel']:>6} {ratio['gather']:>6} {ratio['staged']:>6}"
         )
     return "\n".join(lines)
@@ -728,6 +768,12 @@ def main(argv: list[str] | None = None) -> int:
         default="prefill",
         help="open the IPC mapping for (and run kvbridge.gpu_gather on) the prefill GPU (push) or the decode GPU"
         " (pull); decode needs --no-kernel (PyTorch maps a handle once per process)",
+    )
+    p.add_argument(
+        "--gather-configs",
+        nargs="+",
+        default=["8"],
+        help="gather kernel configurations to try: num_warps, 's' for streaming cache hints (8 4 16 8s)",
     )
     p.add_argument("--staged", action="store_true", help="also time gather->copy->scatter through staging buffers")
     p.add_argument("--staged-layers", type=int, default=7, help="layers per pipelined chunk of --staged")
@@ -836,8 +882,9 @@ def main(argv: list[str] | None = None) -> int:
     text = table(cases)
     (args.out / f"gpu-{stamp}.txt").write_text(text + "\n")
     ok = all(c[v].get("ok", True) for c in cases for v in c if isinstance(c.get(v), dict))
-    print("\nGB/s = request bytes / median time, from descriptors in hand to bytes in place (k-only: the kernel")
-    print("alone, CUDA events); /copy = GB/s over the torch copy's; !BAD = byte check failed; skip = too many descs\n")
+    print("\nGB/s = request bytes / median time, from descriptors in hand to bytes in place (k-only, g-only: on the")
+    print("GPU alone, CUDA events); /copy = GB/s over the torch copy's (gather: over the copy timed alternately with")
+    print("it, best of --gather-configs); !BAD = byte check failed; skip = too many descs\n")
     print(text)
     print(f"\nall checks passed: {ok}; errors: {len(record['errors'])}; json: {path}")
     for e in record["errors"]:

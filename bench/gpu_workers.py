@@ -1,12 +1,14 @@
 """kvbridge's worker runtimes on GPUs: real prefill and decode worker processes, side channel, NIXL, CUDA IPC.
 
 Each scenario runs `kvbridge.transfer_demo.run_transfer` (what the connector does inside vLLM, minus vLLM) with
-the prefill workers' KV on GPU 0 and the decode workers' on GPU 1, twice: with `gpu_peer_copy="auto"` (the decode
-workers open the prefill workers' CUDA IPC handles and copy with kvbridge's gather kernel, then notify over NIXL)
-and with `gpu_peer_copy="nixl"` (coalesced NIXL READs). Every decode worker loads the same request `--repeats`
-times (the first includes the handshake and the kernel's compilation) and checks every byte it holds against the
-seeded reference; every prefill worker must free the request on its readers' notifications (not at lease
-expiry). Prints a line per run and writes JSON.
+the prefill workers' KV on GPU 0 and the decode workers' on GPU 1, one allocation per layer as vLLM makes on GPU,
+with `gpu_peer_copy="auto"` (the decode workers open the prefill workers' CUDA IPC handles and copy with
+kvbridge's gather kernel, then notify over the side channel) and with `gpu_peer_copy="nixl"` (coalesced NIXL
+READs), each with claims on (`verify_requests`, the default: one side-channel round trip per prefill worker) and
+off. Every decode worker loads `--repeats` requests on the same blocks (the first includes the handshake and the
+kernel's compilation) and checks every byte it holds against the seeded reference; every prefill worker must
+free every request on its readers' notifications (not at lease expiry). Next to each, in the same run: a torch
+copy cuda:0 -> cuda:1 of as many contiguous bytes as one decode worker loads. Prints a line per run, writes JSON.
 
     python3 bench/gpu_workers.py --out DIR        # on nvidia-h200-x2 (nixl wheels carried: see GPU_RESULTS.md)
 """
@@ -31,7 +33,7 @@ from kvbridge.transfer_demo import Scenario, run_transfer  # noqa: E402
 PAIRS = ["pp1->pp1", "pp2->pp1", "pp1->tp2", "pp2->tp2", "tp2->pp2"]
 
 
-def one(pair: str, path: str, args) -> dict:
+def one(pair: str, path: str, verify: bool, args) -> dict:
     prefill, decode = (ParallelLayout.parse(x.replace("pp", "pp=").replace("tp", "tp=")) for x in pair.split("->"))
     scenario = Scenario(
         prefill,
@@ -40,33 +42,56 @@ def one(pair: str, path: str, args) -> dict:
         num_blocks=args.blocks,
         request_blocks=args.request_blocks,
         seed=7,
-        prefill_device="cuda:0",
-        decode_device=f"cuda:{args.decode_gpu}",
-        config=BridgeConfig(gpu_peer_copy=path, verify_requests=False, lease_s=60.0, transfer_timeout_s=60.0),
+        prefill_device="cpu" if args.sim_cpu else "cuda:0",
+        decode_device="cpu" if args.sim_cpu else f"cuda:{args.decode_gpu}",
+        config=BridgeConfig(gpu_peer_copy=path, verify_requests=verify, lease_s=60.0, transfer_timeout_s=60.0),
         repeats=args.repeats,
+        layer_tensors=not args.one_allocation,
     )
     t0 = time.monotonic()
     result = run_transfer(scenario, timeout_s=240)
     result["wall_s"] = time.monotonic() - t0
-    result["pair"], result["path_asked"] = pair, path
+    result["pair"], result["path_asked"], result["verify_requests"] = pair, path, verify
     return result
 
 
-def summary(r: dict) -> str:
+def copy_seconds(nbytes: int, decode_gpu: int, reps: int = 20) -> float:
+    """Median seconds of a torch copy of `nbytes` contiguous bytes cuda:0 -> cuda:decode_gpu (the reference)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{decode_gpu}")
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize(0), torch.cuda.synchronize(decode_gpu)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(0), torch.cuda.synchronize(decode_gpu)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(times[1:])
+
+
+def summary(r: dict, copies: dict[int, float]) -> str:
     workers = r["decode"]
     ok = all(w["ok"] and w["exact"] and w["untouched_clean"] for w in workers)
-    # Every prefill worker must free the request because its readers told it, not because its lease expired.
-    released = sum(1 for _, _, expired, _ in r["prefill_released"] if expired == 0)
+    # Every prefill worker must free every request because its readers told it, not because its lease expired.
+    released = sum(1 for _, ids, expired, _ in r["prefill_released"] if expired == 0 and len(ids) == r["repeats"])
     ok = ok and released == len(r["prefill_released"]) > 0
     paths = ",".join(sorted({w["path"] for w in workers}))
     warm = [t for w in workers for t in w["transfer_times_s"][1:]]
     first = max(w["transfer_times_s"][0] for w in workers if w["transfer_times_s"])
     per_worker = workers[0]["bytes"]
     med = statistics.median(warm) if warm else float("nan")
+    copy = copies.get(per_worker)
+    r.update(ok=ok, warm_median_s=med, copy_s=copy, ratio=copy / med if copy else None)
+    ratio = f"{copy / med:5.2f}" if copy else "    -"
     return (
-        f"{r['pair']:9} {r['path_asked']:5} -> {paths:9} ok={ok!s:5} released={released} "
-        f"bytes/worker={per_worker / 2**20:7.1f} MiB descs/worker={workers[0]['descriptors']:6} "
-        f"first={first * 1e3:8.1f} ms warm median={med * 1e3:7.2f} ms ({per_worker / med / 1e9:6.1f} GB/s per worker)"
+        f"{r['pair']:9} {r['path_asked']:5} claims={'on ' if r['verify_requests'] else 'off'} -> {paths:9} "
+        f"ok={ok!s:5} released={released} MiB/w={per_worker / 2**20:6.1f} descs/w={workers[0]['descriptors']:6} "
+        f"first={first * 1e3:7.1f} ms warm median={med * 1e3:7.2f} ms ({per_worker / med / 1e9:5.1f} GB/s/worker) "
+        f"copy={copy * 1e3 if copy else float('nan'):5.2f} ms  copy/warm={ratio}"
     )
 
 
@@ -82,25 +107,33 @@ def main() -> int:
     p.add_argument("--request-blocks", type=int, default=512, help="the request's blocks (scattered at random)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--decode-gpu", type=int, default=1)
+    p.add_argument("--claims", nargs="+", default=["on", "off"], choices=["on", "off"], help="verify_requests")
+    p.add_argument("--sim-cpu", action="store_true", help="KV in DRAM, no GPU (checks this script's plumbing)")
+    p.add_argument("--one-allocation", action="store_true", help="all layers in one KV tensor (vLLM on CPU)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "out"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results, lines = [], []
+    results, lines, copies = [], [], {}
     for pair in args.pairs:
         for path in args.paths:
-            try:
-                r = one(pair, path, args)
-                line = summary(r)
-            except Exception as exc:  # record and go on: one scenario must not hide the others
-                r = {"pair": pair, "path_asked": path, "error": f"{type(exc).__name__}: {exc}"}
-                line = f"{pair:9} {path:5} ERROR {r['error']}"
-            results.append(r)
-            lines.append(line)
-            print(line, flush=True)
+            for claims in args.claims:
+                try:
+                    r = one(pair, path, claims == "on", args)
+                    r["repeats"] = args.repeats
+                    nbytes = r["decode"][0]["bytes"]
+                    if nbytes and nbytes not in copies and not args.sim_cpu:
+                        copies[nbytes] = copy_seconds(nbytes, args.decode_gpu)
+                    line = summary(r, copies)
+                except Exception as exc:  # record and go on: one scenario must not hide the others
+                    r = {"pair": pair, "path_asked": path, "claims": claims, "error": f"{type(exc).__name__}: {exc}"}
+                    line = f"{pair:9} {path:5} claims={claims} ERROR {r['error']}"
+                results.append(r)
+                lines.append(line)
+                print(line, flush=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     record = {"command": [sys.executable, *sys.argv], "settings": {k: str(v) for k, v in vars(args).items()}}
     (args.out / f"gpu-workers-{stamp}.json").write_text(json.dumps({**record, "results": results}, indent=1))
-    good = all("error" not in r and "ok=True" in line for r, line in zip(results, lines, strict=True))
+    good = all("error" not in r and r.get("ok") for r in results)
     print(f"\nall ok: {good}")
     return 0 if good else 1
 

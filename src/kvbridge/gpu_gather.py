@@ -64,6 +64,8 @@ class GatherKernel:
         src_tensors: Sequence[torch.Tensor],
         dst_regions: Sequence[Region],
         dst_tensors: Sequence[torch.Tensor],
+        num_warps: int = 8,
+        streaming: bool = False,
     ) -> None:
         import torch
 
@@ -76,6 +78,7 @@ class GatherKernel:
         self.device = src_tensors[0].device if src_tensors else torch.device("cpu")
         self.interpret = self.device.type == "cpu"
         self.block_bytes = segments.block_bytes
+        self.num_warps, self.streaming = num_warps, streaming
         self._tables: list[torch.Tensor] = []
         if not len(segments):
             return
@@ -133,14 +136,15 @@ class GatherKernel:
         if n == 0 or not self._tables:
             return
         kernel = _kernel(self.interpret)
-        args = dict(TILE=self._tile, ALIGN=self._align, EVEN=self._even)
+        args = dict(TILE=self._tile, ALIGN=self._align, EVEN=self._even, STREAM=self.streaming)
         if self.interpret:
             for table in self._tables:
                 kernel[(n, table.shape[0])](self._src_words, self._dst_words, ids, table, n, **args)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             for table in self._tables:
-                kernel[(n, table.shape[0])](self._src_words, self._dst_words, ids, table, n, **args, num_warps=8)
+                grid = (n, table.shape[0])
+                kernel[grid](self._src_words, self._dst_words, ids, table, n, **args, num_warps=self.num_warps)
 
     @property
     def launches(self) -> int:
