@@ -5,6 +5,7 @@ A GPU kernel of known length (torch.cuda._sleep) stands in for the gather; a hel
   spin       event.query() in a tight loop (a core at 100%, holding the GIL between queries)
   backoff    event.query() with sleeps of 50 us doubling to 2 ms (the decode worker's NIXL polling)
   blocking   a cudaEventBlockingSync event, event.synchronize() (the thread sleeps in the driver)
+  predicted  sleep 90% of the expected time, then event.query() every 20 us (sleeping between)
 
 For each it reports the median delay from the kernel's end (the spin wait's wake-up, measured alternately, is the
 reference) and how many iterations the main Python thread completed meanwhile (does the waiter leave the GIL?).
@@ -44,8 +45,12 @@ def cycles_for(seconds: float) -> int:
     return int(seconds * per_s)
 
 
-def wait(way: str, event: torch.cuda.Event) -> None:
-    if way == "blocking":
+def wait(way: str, event: torch.cuda.Event, expected_s: float) -> None:
+    if way == "predicted":
+        time.sleep(0.9 * expected_s)
+        while not event.query():
+            time.sleep(20e-6)
+    elif way == "blocking":
         event.synchronize()
     elif way == "spin":
         while not event.query():
@@ -56,18 +61,19 @@ def wait(way: str, event: torch.cuda.Event) -> None:
             time.sleep(backoff.step())
 
 
-def one(way: str, cycles: int) -> tuple[float, int]:
-    """Seconds from launch to the waiter's wake-up, and the main thread's loop iterations meanwhile."""
+def one(way: str, cycles: int, busy: bool, expected_s: float) -> tuple[float, int]:
+    """Seconds from launch to the waiter's wake-up, and the main thread's loop iterations meanwhile (busy: the
+    main thread runs Python meanwhile, as an engine's step does; else it waits in join)."""
     event = torch.cuda.Event(blocking=way == "blocking")
     woke: list[float] = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     torch.cuda._sleep(cycles)
     event.record()
-    waiter = threading.Thread(target=lambda: (wait(way, event), woke.append(time.perf_counter())))
+    waiter = threading.Thread(target=lambda: (wait(way, event, expected_s), woke.append(time.perf_counter())))
     waiter.start()
     spins = 0
-    while waiter.is_alive():
+    while busy and waiter.is_alive():
         spins += 1
     waiter.join()
     return woke[0] - t0, spins
@@ -81,31 +87,33 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for ms in args.kernel_ms:
-        cycles = cycles_for(ms / 1e3)
-        times: dict[str, list[float]] = {w: [] for w in ("spin", "backoff", "blocking")}
-        spins: dict[str, list[int]] = {w: [] for w in times}
-        for _ in range(args.reps):
-            for way in times:  # alternately, so all three see the same machine state
-                s, n = one(way, cycles)
-                times[way].append(s)
-                spins[way].append(n)
-        ref = statistics.median(times["spin"])
-        for way in times:
-            med = statistics.median(times[way])
-            row = {
-                "kernel_ms": ms,
-                "way": way,
-                "wake_median_ms": med * 1e3,
-                "delay_vs_spin_us": (med - ref) * 1e6,
-                "main_thread_iterations_median": statistics.median(spins[way]),
-            }
-            rows.append(row)
-            print(
-                f"kernel {ms:4.1f} ms  {way:9} wake after {med * 1e3:6.3f} ms  (+{(med - ref) * 1e6:7.1f} us vs spin)"
-                f"  main thread ran {row['main_thread_iterations_median']:>9,.0f} iterations",
-                flush=True,
-            )
+    for busy in (False, True):
+        for ms in args.kernel_ms:
+            cycles = cycles_for(ms / 1e3)
+            times: dict[str, list[float]] = {w: [] for w in ("spin", "backoff", "blocking", "predicted")}
+            spins: dict[str, list[int]] = {w: [] for w in times}
+            for _ in range(args.reps):
+                for way in times:  # alternately, so all three see the same machine state
+                    s, n = one(way, cycles, busy, ms / 1e3)
+                    times[way].append(s)
+                    spins[way].append(n)
+            ref = statistics.median(times["spin"])
+            for way in times:
+                med = statistics.median(times[way])
+                row = {
+                    "main_thread": "busy" if busy else "idle",
+                    "kernel_ms": ms,
+                    "way": way,
+                    "wake_median_ms": med * 1e3,
+                    "delay_vs_spin_us": (med - ref) * 1e6,
+                    "main_thread_iterations_median": statistics.median(spins[way]),
+                }
+                rows.append(row)
+                print(
+                    f"main thread {row['main_thread']}  kernel {ms:4.1f} ms  {way:9} wake after {med * 1e3:6.3f} ms"
+                    f"  (+{(med - ref) * 1e6:7.1f} us vs spin)  main ran {row['main_thread_iterations_median']:>9,.0f}",
+                    flush=True,
+                )
     record = {"command": [sys.executable, *sys.argv], "device": torch.cuda.get_device_name(), "rows": rows}
     (args.out / f"gpu-event-wait-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(record, indent=1))
     return 0

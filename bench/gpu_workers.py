@@ -85,13 +85,18 @@ def summary(r: dict, copies: dict[int, float]) -> str:
     per_worker = workers[0]["bytes"]
     med = statistics.median(warm) if warm else float("nan")
     copy = copies.get(per_worker)
-    r.update(ok=ok, warm_median_s=med, copy_s=copy, ratio=copy / med if copy else None)
+    post = statistics.median(t for w in workers for t in w["post_times_s"][1:]) if warm else float("nan")
+    gpus = [t for w in workers for t in w["gpu_times_s"][1:]]
+    gpu = statistics.median(gpus) if gpus else float("nan")
+    r.update(ok=ok, warm_median_s=med, post_median_s=post, gpu_median_s=gpu, copy_s=copy)
+    r["ratio"] = copy / med if copy else None
     ratio = f"{copy / med:5.2f}" if copy else "    -"
     return (
         f"{r['pair']:9} {r['path_asked']:5} claims={'on ' if r['verify_requests'] else 'off'} -> {paths:9} "
         f"ok={ok!s:5} released={released} MiB/w={per_worker / 2**20:6.1f} descs/w={workers[0]['descriptors']:6} "
         f"first={first * 1e3:7.1f} ms warm median={med * 1e3:7.2f} ms ({per_worker / med / 1e9:5.1f} GB/s/worker) "
-        f"copy={copy * 1e3 if copy else float('nan'):5.2f} ms  copy/warm={ratio}"
+        f"copy={copy * 1e3 if copy else float('nan'):5.2f} ms  copy/warm={ratio}  (posted after {post * 1e3:5.2f} ms,"
+        f" on the GPU {gpu * 1e3:5.2f} ms)"
     )
 
 

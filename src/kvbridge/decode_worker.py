@@ -81,6 +81,8 @@ class _Active:
     # IPC path: the gather kernels' CUDA event. No timeout once launched: a kernel cannot be cancelled, and failing
     # the load would let vLLM reuse blocks it still writes (it takes milliseconds; the lease is far longer).
     event: Any = None
+    start_event: Any = None  # recorded before the kernels: the GPU time is start_event.elapsed_time(event)
+    posted: float = 0.0  # when the READs were posted or the kernels queued (monotonic)
     error: str = ""  # IPC path: the claim failed while the kernel ran; the load fails once the kernel is done
 
 
@@ -92,7 +94,9 @@ class TransferStats:
     failures: int = 0
     bytes: int = 0
     descriptors: int = 0
-    seconds: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # per load: from the job to the reported completion
+    post_seconds: list[float] = field(default_factory=list)  # per load: from the job to the READs posted/kernels queued
+    gpu_seconds: list[float] = field(default_factory=list)  # per CUDA IPC load: the kernels' time on the GPU
 
 
 class DecodeWorker:
@@ -247,6 +251,7 @@ class DecodeWorker:
                 self.transport.read(peers[rank].agent, d, self.memory, peers[rank].memory, note)
                 for rank, d in reads.items()
             ]
+            posted = time.monotonic()
             self._notes.put((job, tuple(rank for rank in peers if rank not in reads)))
         except KVBridgeError as exc:
             self._forget(job.source)
@@ -258,11 +263,12 @@ class DecodeWorker:
             job.request_id,
             len(job.local_blocks),
             len(transfers),
-            1000 * (time.monotonic() - started),
+            1000 * (posted - started),
         )
         total = sum(len(d) for d in descs.values())
         nbytes = sum(d.nbytes for d in descs.values())
         active = _Active(job, transfers, started + self.config.transfer_timeout_s, started, nbytes, total)
+        active.posted = posted
         self._active.append(active)
         self._poll()
 
@@ -298,7 +304,7 @@ class DecodeWorker:
             for rank in kernels:
                 block_lists(job.remote_blocks, job.local_blocks, peers[rank].memory, self.memory)
             live = kernels if job.local_blocks else {}
-            event = self._ipc.launch(live, job.remote_blocks, job.local_blocks)
+            start_event, event = self._ipc.launch(live, job.remote_blocks, job.local_blocks)
         except Exception as exc:  # bad block ids, or a launch error: nothing may still write our blocks
             if not isinstance(exc, KVBridgeError):
                 logger.exception("kvbridge decode %s: gather kernel launch failed", self.identity)
@@ -308,7 +314,8 @@ class DecodeWorker:
             self._finish(job, False, str(exc))
             return
         nbytes = sum(k.block_bytes for k in live.values()) * len(job.local_blocks)
-        active = _Active(job, [], started + self.config.transfer_timeout_s, started, nbytes, 0, event)
+        active = _Active(job, [], started + self.config.transfer_timeout_s, started, nbytes, 0, event, start_event)
+        active.posted = time.monotonic()
         if self.config.verify_requests and job.remote_blocks:
             try:
                 self._claim(job, list(kernels))
@@ -327,8 +334,8 @@ class DecodeWorker:
             if active.error:
                 self._finish(active.job, False, active.error)
                 continue  # the claim failed: the prefill side does not hold the request
-            self._complete(active)  # report first; the notifier thread tells the prefill side
-            self._notes.put((active.job, tuple(active.job.source.layout.workers())))
+            self._complete(active, gpu_s=active.start_event.elapsed_time(active.event) / 1e3)
+            self._notes.put((active.job, tuple(active.job.source.layout.workers())))  # after the report
 
     def _poll(self) -> None:
         still = []
@@ -352,13 +359,16 @@ class DecodeWorker:
                 still.append(active)
         self._active = still
 
-    def _complete(self, active: _Active) -> None:
+    def _complete(self, active: _Active, gpu_s: float | None = None) -> None:
         elapsed = time.monotonic() - active.started
         with self._lock:
             self._stats.transfers += 1
             self._stats.bytes += active.nbytes
             self._stats.descriptors += active.descriptors
             self._stats.seconds.append(elapsed)
+            self._stats.post_seconds.append(active.posted - active.started)
+            if gpu_s is not None:
+                self._stats.gpu_seconds.append(gpu_s)
         self._finish(active.job, True)
 
     def _release(self, active: _Active) -> None:

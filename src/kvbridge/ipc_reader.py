@@ -65,18 +65,20 @@ class IpcReader:
 
     def launch(
         self, kernels: dict[WorkerRank, GatherKernel], remote_blocks: Sequence[int], local_blocks: Sequence[int]
-    ) -> torch.cuda.Event:
-        """Enqueue one request's copies from every worker in `kernels`; the returned event completes with them."""
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Enqueue one request's copies from every worker in `kernels`; returns two events around them on the
+        stream: `end` completes with the copies (blocking sync: a waiting thread sleeps rather than spins on a core)
+        and `start.elapsed_time(end)` is the copies' time on the GPU."""
         import torch
 
-        event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps instead of spinning on a core
-        if not kernels:
-            event.record(self.stream)
-            return event
-        first = next(iter(kernels.values()))
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            ids = first.block_ids(remote_blocks, local_blocks)
-            for kernel in kernels.values():
-                kernel.launch(ids, self.stream)
-            event.record(self.stream)
-        return event
+            start.record(self.stream)
+            if kernels:
+                first = next(iter(kernels.values()))
+                ids = first.block_ids(remote_blocks, local_blocks)
+                for kernel in kernels.values():
+                    kernel.launch(ids, self.stream)
+            end.record(self.stream)
+        return start, end

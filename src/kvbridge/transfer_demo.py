@@ -149,6 +149,8 @@ def _decode_main(scenario, rank, config, source, results):
         done: set[str] = set()
         failed: set[str] = set()
         seconds: list[float] = []
+        post_seconds: list[float] = []
+        gpu_seconds: list[float] = []
         nbytes = descriptors = 0
         deadline = t0 + 60
         for i, request_id in enumerate(request_ids(scenario)):
@@ -159,6 +161,8 @@ def _decode_main(scenario, rank, config, source, results):
                 done |= d
                 failed |= f
                 seconds += s.seconds
+                post_seconds += s.post_seconds
+                gpu_seconds += s.gpu_seconds
                 nbytes, descriptors = nbytes + s.bytes, descriptors + s.descriptors
                 time.sleep(0.0002)
         elapsed = time.monotonic() - t0
@@ -179,6 +183,8 @@ def _decode_main(scenario, rank, config, source, results):
                 "descriptors": descriptors // max(1, len(seconds)),
                 "transfer_s": seconds[0] if seconds else None,
                 "transfer_times_s": seconds,
+                "post_times_s": post_seconds,
+                "gpu_times_s": gpu_seconds,
                 "path": "cuda-ipc" if worker.reads_through_ipc(source) else "nixl",
                 "elapsed_s": elapsed,
             }
