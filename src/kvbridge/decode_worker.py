@@ -301,10 +301,11 @@ class DecodeWorker:
     def _start_ipc(self, job: LoadJob, peers: dict[WorkerRank, _Peer], kernels: dict, started: float) -> None:
         """The CUDA IPC path: check the blocks, launch, claim while the kernel runs; the waiter thread reports."""
         try:
-            for rank in kernels:
-                block_lists(job.remote_blocks, job.local_blocks, peers[rank].memory, self.memory)
+            remote, local = job.remote_blocks, job.local_blocks
+            for rank in kernels:  # arrays after the first: the later checks convert nothing
+                remote, local = block_lists(remote, local, peers[rank].memory, self.memory)
             live = kernels if job.local_blocks else {}
-            start_event, event = self._ipc.launch(live, job.remote_blocks, job.local_blocks)
+            start_event, event = self._ipc.launch(live, remote, local)
         except Exception as exc:  # bad block ids, or a launch error: nothing may still write our blocks
             if not isinstance(exc, KVBridgeError):
                 logger.exception("kvbridge decode %s: gather kernel launch failed", self.identity)

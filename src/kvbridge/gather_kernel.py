@@ -30,7 +30,7 @@ def gather_runs(
         else:
             mask = offs < words
         if STREAM:  # every byte is touched once: keep it out of the caches
-            data = tl.load(src + a + offs, mask=mask, cache_modifier=".cg", eviction_policy="evict_first")
+            data = tl.load(src + a + offs, mask=mask, cache_modifier=".cg")
             tl.store(dst + b + offs, data, mask=mask, cache_modifier=".cs")
         else:
             tl.store(dst + b + offs, tl.load(src + a + offs, mask=mask), mask=mask)

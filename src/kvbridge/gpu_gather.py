@@ -78,7 +78,6 @@ class GatherKernel:
         self.device = src_tensors[0].device if src_tensors else torch.device("cpu")
         self.interpret = self.device.type == "cpu"
         self.block_bytes = segments.block_bytes
-        self.num_warps, self.streaming = num_warps, streaming
         self._tables: list[torch.Tensor] = []
         if not len(segments):
             return
@@ -105,9 +104,12 @@ class GatherKernel:
         aligned = bits & -bits if bits else 4096  # the largest power of two dividing them all
         if aligned < WORD:
             raise LayoutError(f"KV runs are only {aligned}-byte aligned; the GPU path needs {WORD}")
-        self._align = min(4, aligned // WORD)  # in words; 4 words = 16 bytes is all one access can use
+        align = min(4, aligned // WORD)  # in words; 4 words = 16 bytes is all one access can use
         rows //= WORD
-        self._tile, self._even = _tile(rows[:, 4])
+        tile, even = _tile(rows[:, 4])
+        self._args = dict(TILE=tile, ALIGN=align, EVEN=even, STREAM=streaming)
+        if not self.interpret:
+            self._args["num_warps"] = num_warps
         self._keep = (tuple(src_tensors), tuple(dst_tensors))  # IPC mappings must outlive the kernel
         self._src_words, self._dst_words = _words(self._src), _words(self._dst)
         table = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
@@ -135,16 +137,19 @@ class GatherKernel:
         n = ids.numel() // 2
         if n == 0 or not self._tables:
             return
-        kernel = _kernel(self.interpret)
-        args = dict(TILE=self._tile, ALIGN=self._align, EVEN=self._even, STREAM=self.streaming)
-        if self.interpret:
-            for table in self._tables:
-                kernel[(n, table.shape[0])](self._src_words, self._dst_words, ids, table, n, **args)
+        if self.interpret or (
+            torch.cuda.current_device() == self.device.index
+            and (stream is None or stream == torch.cuda.current_stream())  # as IpcReader binds its thread
+        ):
+            self._enqueue(ids, n)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
-            for table in self._tables:
-                grid = (n, table.shape[0])
-                kernel[grid](self._src_words, self._dst_words, ids, table, n, **args, num_warps=self.num_warps)
+            self._enqueue(ids, n)
+
+    def _enqueue(self, ids: torch.Tensor, n: int) -> None:
+        kernel = _kernel(self.interpret)
+        for table in self._tables:
+            kernel[(n, table.shape[0])](self._src_words, self._dst_words, ids, table, n, **self._args)
 
     @property
     def launches(self) -> int:

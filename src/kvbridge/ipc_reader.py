@@ -13,8 +13,11 @@ Anything that fails while connecting (handles missing, another host, expandable 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvbridge.cuda_ipc import IpcHandle, open_region
 from kvbridge.errors import TransferError
@@ -29,7 +32,10 @@ if TYPE_CHECKING:
 
 
 class IpcReader:
-    """The GPU side of one decode worker: its KV regions as tensors and one CUDA stream for its copies."""
+    """The GPU side of one decode worker: its KV regions as tensors, one CUDA stream for its copies, and a small
+    ring of pinned buffers for the requests' block ids."""
+
+    RING = 8  # requests whose id uploads may be in flight at once; a ninth waits for the first
 
     def __init__(self, memory: WorkerMemory, regions: Sequence[torch.Tensor]) -> None:
         import torch
@@ -40,6 +46,9 @@ class IpcReader:
         self.regions = tuple(regions)
         self.device = regions[0].device
         self.stream = torch.cuda.Stream(self.device)
+        self._ring: list[_IdBuffer | None] = [None] * self.RING
+        self._next = 0
+        self._bound = threading.local()
 
     def connect(
         self,
@@ -64,21 +73,62 @@ class IpcReader:
         return kernels
 
     def launch(
-        self, kernels: dict[WorkerRank, GatherKernel], remote_blocks: Sequence[int], local_blocks: Sequence[int]
+        self, kernels: dict[WorkerRank, GatherKernel], remote_blocks: np.ndarray, local_blocks: np.ndarray
     ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Enqueue one request's copies from every worker in `kernels`; returns two events around them on the
-        stream: `end` completes with the copies (blocking sync: a waiting thread sleeps rather than spins on a core)
-        and `start.elapsed_time(end)` is the copies' time on the GPU."""
+        """Enqueue one request's copies from every worker in `kernels` (block ids already checked); returns two
+        events around them on the stream: `end` completes with the copies (blocking sync: a waiting thread sleeps
+        rather than spins on a core) and `start.elapsed_time(end)` is the copies' time on the GPU."""
         import torch
 
+        if not getattr(self._bound, "done", False):
+            # Once per calling thread (both are thread-local): Triton launches on the current device and stream,
+            # and entering torch's context managers per request costs more than the launch itself.
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.stream)
+            self._bound.done = True
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True, blocking=True)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            start.record(self.stream)
-            if kernels:
-                first = next(iter(kernels.values()))
-                ids = first.block_ids(remote_blocks, local_blocks)
-                for kernel in kernels.values():
-                    kernel.launch(ids, self.stream)
-            end.record(self.stream)
+        start.record(self.stream)
+        if kernels:
+            ids = self._upload(remote_blocks, local_blocks)
+            for kernel in kernels.values():
+                kernel.launch(ids, self.stream)
+        end.record(self.stream)
         return start, end
+
+    def _upload(self, remote_blocks: np.ndarray, local_blocks: np.ndarray) -> torch.Tensor:
+        """The two id lists in one int32 device tensor, through the next pinned buffer of the ring."""
+        slot = self._next % self.RING
+        self._next += 1
+        n = len(remote_blocks)
+        buf = self._ring[slot]
+        if buf is None or buf.capacity < 2 * n:
+            buf = self._ring[slot] = _IdBuffer(max(2 * n, 4096), self.device)
+        elif buf.uploaded is not None:
+            buf.uploaded.synchronize()  # its last upload must have left the pinned memory (done, but for a backlog)
+        buf.host[:n], buf.host[n : 2 * n] = remote_blocks, local_blocks
+        ids = buf.device[: 2 * n]
+        ids.copy_(buf.pinned[: 2 * n], non_blocking=True)
+        buf.uploaded = buf.uploaded or _event()
+        buf.uploaded.record(self.stream)
+        return ids
+
+
+class _IdBuffer:
+    """Pinned host memory and device memory for one request's block ids. The device copy is reused by later
+    requests on the same stream, so after this request's kernels (stream order)."""
+
+    def __init__(self, capacity: int, device) -> None:
+        import torch
+
+        self.capacity = capacity
+        self.pinned = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
+        self.host = self.pinned.numpy()
+        self.device = torch.empty(capacity, dtype=torch.int32, device=device)
+        self.uploaded = None  # the event after its last host-to-device copy
+
+
+def _event():
+    import torch
+
+    return torch.cuda.Event()

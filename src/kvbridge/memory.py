@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvbridge.errors import LayoutError
 from kvbridge.topology import KVGeometry
@@ -115,7 +116,7 @@ class WorkerMemory:
     def layer_ids(self) -> tuple[int, ...]:
         return tuple(lk.layer for lk in self.layers)
 
-    @property
+    @cached_property  # checked on every request
     def num_blocks(self) -> int:
         return min(lk.num_blocks for lk in self.layers)
 
