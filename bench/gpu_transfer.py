@@ -528,9 +528,8 @@ class Bench:
             dst = self.memories(pair, layout, 1, {k: v.data_ptr() for k, v in self.dec.items()})
             src = self.memories(pair, layout, 0, self.prefill_ptrs)
             best = None
-            for name in self.args.gather_configs:
-                warps, streaming = int(name.rstrip("s")), name.endswith("s")
-                rec: dict = {"on": self.args.gather_on, "config": name}
+            for warps in self.args.gather_warps:
+                rec: dict = {"on": self.args.gather_on, "num_warps": warps}
                 try:
                     t0 = time.perf_counter()
                     kernels, segments = [], 0
@@ -545,7 +544,6 @@ class Bench:
                                     dmem.regions,
                                     [self.dec[(dtext, r)]],
                                     num_warps=warps,
-                                    streaming=streaming,
                                 )
                             )
                     rec.update(setup_s=time.perf_counter() - t0, launches=len(kernels), segments=segments)
@@ -562,7 +560,7 @@ class Bench:
                 except Exception:
                     rec["error"] = traceback.format_exc()
                     self.log(f"gather: {rec['error'].strip().splitlines()[-1]}")
-                case[f"gather-{name}"] = rec
+                case[f"gather-w{warps}"] = rec
                 if "s" in rec and (best is None or paired_ratio(rec) > paired_ratio(best)):
                     best = rec
             rec = best or rec
@@ -769,12 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         help="open the IPC mapping for (and run kvbridge.gpu_gather on) the prefill GPU (push) or the decode GPU"
         " (pull); decode needs --no-kernel (PyTorch maps a handle once per process)",
     )
-    p.add_argument(
-        "--gather-configs",
-        nargs="+",
-        default=["8"],
-        help="gather kernel configurations to try: num_warps, 's' for streaming cache hints (8 4 16 8s)",
-    )
+    p.add_argument("--gather-warps", nargs="+", type=int, default=[8], help="num_warps of the gather kernel to try")
     p.add_argument("--staged", action="store_true", help="also time gather->copy->scatter through staging buffers")
     p.add_argument("--staged-layers", type=int, default=7, help="layers per pipelined chunk of --staged")
     p.add_argument("--ucx-tls", default="cuda_ipc,cuda_copy,sm,self,tcp", help="'' lets UCX choose")
@@ -884,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(c[v].get("ok", True) for c in cases for v in c if isinstance(c.get(v), dict))
     print("\nGB/s = request bytes / median time, from descriptors in hand to bytes in place (k-only, g-only: on the")
     print("GPU alone, CUDA events); /copy = GB/s over the torch copy's (gather: over the copy timed alternately with")
-    print("it, best of --gather-configs); !BAD = byte check failed; skip = too many descs\n")
+    print("it, best of --gather-warps); !BAD = byte check failed; skip = too many descs\n")
     print(text)
     print(f"\nall checks passed: {ok}; errors: {len(record['errors'])}; json: {path}")
     for e in record["errors"]:

@@ -64,3 +64,23 @@ def test_per_layer_allocations_and_several_requests():
     assert sorted((rank, ids, expired) for rank, ids, expired, _ in result["prefill_released"]) == [
         (str(w), want, 0) for w in scenario.prefill.workers()
     ]
+
+
+@pytest.mark.nixl
+def test_a_refused_claim_fails_the_load_and_reads_nothing():
+    """The prefill side no longer holds the request (freed, expired): every decode worker's claim is refused, the
+    load fails (vLLM then recomputes) and no byte of the request's blocks is written."""
+    scenario = Scenario(
+        ParallelLayout.parse("pp=2,tp=1"),
+        ParallelLayout.parse("pp=1,tp=2"),
+        KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32", block_size=16),
+        num_blocks=48,
+        request_blocks=9,
+        held=False,
+    )
+    result = run_transfer(scenario, timeout_s=60)
+    assert len(result["decode"]) == 2
+    for worker in result["decode"]:
+        assert worker["failed"] and not worker["ok"], worker
+        assert not worker["request_blocks_written"] and worker["untouched_clean"], worker
+    assert result["prefill_released"] == []

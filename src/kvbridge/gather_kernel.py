@@ -4,7 +4,8 @@ Program (i, k) copies table row k's run of block pair i, computing both addresse
 `src + row[0] + ids[i] * row[2]` to `dst + row[1] + ids[num_pairs + i] * row[3]`, `row[4]` words, all in int32
 words; `src` and `dst` are base pointers, and an offset may lead into another allocation (another region).
 `ALIGN` (words) tells Triton the addresses' alignment so it can use 16-byte accesses; `EVEN` says every run is a
-multiple of `TILE` words, so no masks are needed; `STREAM` adds cache hints for data touched once.
+multiple of `TILE` words, so no masks are needed. (Streaming cache hints, `.cg` loads and `.cs` stores, were
+measured on nvidia-h200-x2 and gained nothing: bench/GPU_RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import triton
 import triton.language as tl
 
 
-def gather_runs(
-    src, dst, ids, table, num_pairs, TILE: tl.constexpr, ALIGN: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr
-):
+def gather_runs(src, dst, ids, table, num_pairs, TILE: tl.constexpr, ALIGN: tl.constexpr, EVEN: tl.constexpr):
     i = tl.program_id(0)
     row = table + tl.program_id(1) * 5
     src_block = tl.load(ids + i).to(tl.int64)
@@ -25,14 +24,10 @@ def gather_runs(
     words = tl.load(row + 4)
     for start in range(0, words, TILE):
         offs = start + tl.arange(0, TILE)
-        if EVEN:  # noqa: SIM108 (a static if: Triton compiles only the taken branch)
-            mask = None
+        if EVEN:
+            tl.store(dst + b + offs, tl.load(src + a + offs))
         else:
             mask = offs < words
-        if STREAM:  # every byte is touched once: keep it out of the caches
-            data = tl.load(src + a + offs, mask=mask, cache_modifier=".cg")
-            tl.store(dst + b + offs, data, mask=mask, cache_modifier=".cs")
-        else:
             tl.store(dst + b + offs, tl.load(src + a + offs, mask=mask), mask=mask)
 
 

@@ -65,7 +65,6 @@ class GatherKernel:
         dst_regions: Sequence[Region],
         dst_tensors: Sequence[torch.Tensor],
         num_warps: int = 8,
-        streaming: bool = False,
     ) -> None:
         import torch
 
@@ -107,7 +106,7 @@ class GatherKernel:
         align = min(4, aligned // WORD)  # in words; 4 words = 16 bytes is all one access can use
         rows //= WORD
         tile, even = _tile(rows[:, 4])
-        self._args = dict(TILE=tile, ALIGN=align, EVEN=even, STREAM=streaming)
+        self._args = dict(TILE=tile, ALIGN=align, EVEN=even)
         if not self.interpret:
             self._args["num_warps"] = num_warps
         self._keep = (tuple(src_tensors), tuple(dst_tensors))  # IPC mappings must outlive the kernel

@@ -38,6 +38,7 @@ class Scenario:
     config: BridgeConfig | None = None  # the side-channel port is set by run_transfer
     repeats: int = 1  # requests with the same blocks, loaded one after another (timing)
     layer_tensors: bool = False  # one KV allocation per layer (vLLM on GPU) instead of one for all layers
+    held: bool = True  # False: the prefill side holds no request (it was freed), so every claim is refused
 
     def blocks(self) -> tuple[list[int], list[int]]:
         """A request's scattered block ids on each side (seeded, never adjacent by construction)."""
@@ -117,7 +118,7 @@ def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
         ipc = tuple(export_region(r) for r in regions)
     worker = PrefillWorker(ident, memory, config, "VRAM" if cuda else "DRAM", ipc=ipc).start()
     try:
-        for request_id in request_ids(scenario):
+        for request_id in request_ids(scenario) if scenario.held else ():
             worker.hold(request_id, tuple(scenario.blocks()[0]))
         ready.put(("ready", str(rank)))
         start = time.monotonic()
@@ -172,6 +173,7 @@ def _decode_main(scenario, rank, config, source, results):
         exact = ok and all(torch.equal(t[dst], w) for t, w in zip(tensors, want, strict=True))
         untouched = [b for b in range(scenario.num_blocks) if b not in set(dst)]
         clean = all(bool(torch.isnan(t[untouched]).all()) for t in tensors) if untouched else True
+        written = any(not bool(torch.isnan(t[dst]).all()) for t in tensors)
         results.put(
             {
                 "decode_worker": str(rank),
@@ -179,6 +181,7 @@ def _decode_main(scenario, rank, config, source, results):
                 "failed": bool(failed),
                 "exact": exact,
                 "untouched_clean": clean,
+                "request_blocks_written": written,
                 "bytes": nbytes // max(1, len(seconds)),
                 "descriptors": descriptors // max(1, len(seconds)),
                 "transfer_s": seconds[0] if seconds else None,
@@ -264,7 +267,7 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
                 set(ids) == everything for _, ids, _, _ in released.values()
             )
 
-        while not complete() and time.monotonic() < deadline:
+        while scenario.held and not complete() and time.monotonic() < deadline:
             try:
                 rank, ids, expired, at = finished.get(timeout=1.0)
             except queue.Empty:

@@ -1,0 +1,61 @@
+"""The worker runtimes on two GPUs, CUDA IPC path: real processes, NIXL agents, side channel, the Triton kernel.
+
+Skipped without two CUDA GPUs (CI has none); run on the device machine with the command in bench/GPU_RESULTS.md.
+The same scenarios run on CPU through NIXL in test_transfer_processes.py.
+"""
+
+import pytest
+
+from kvbridge.config import BridgeConfig
+from kvbridge.topology import KVGeometry, ParallelLayout
+from kvbridge.transfer_demo import Scenario, run_transfer
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.nixl,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+
+GEOMETRY = KVGeometry(num_layers=6, num_kv_heads=4, head_size=64, dtype="float32", block_size=16)
+
+
+def scenario(prefill: str, decode: str, **kw) -> Scenario:
+    return Scenario(
+        ParallelLayout.parse(prefill),
+        ParallelLayout.parse(decode),
+        GEOMETRY,
+        num_blocks=64,
+        request_blocks=20,
+        seed=3,
+        prefill_device="cuda:0",
+        decode_device="cuda:1",
+        config=BridgeConfig(lease_s=30.0, transfer_timeout_s=30.0),
+        layer_tensors=True,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("pp=2", "tp=2"), ("tp=2", "pp=2"), ("pp=1", "pp=1")])
+def test_cuda_ipc_loads_are_exact_and_release_every_prefill_worker(prefill, decode):
+    s = scenario(prefill, decode, repeats=3)
+    result = run_transfer(s, timeout_s=120)
+    for worker in result["decode"]:
+        assert worker["path"] == "cuda-ipc", worker
+        assert worker["ok"] and worker["exact"] and worker["untouched_clean"], worker
+        assert len(worker["gpu_times_s"]) == 3
+    want = [f"prefill-req-{i}" for i in range(3)]
+    assert sorted((rank, ids, expired) for rank, ids, expired, _ in result["prefill_released"]) == [
+        (str(w), want, 0) for w in s.prefill.workers()
+    ]
+
+
+def test_a_refused_claim_fails_the_ipc_load_after_its_kernel():
+    """The kernel is launched before the claim's answer; the refusal fails the load once the kernel is done."""
+    result = run_transfer(scenario("pp=2", "tp=2", held=False), timeout_s=120)
+    for worker in result["decode"]:
+        assert worker["path"] == "cuda-ipc", worker
+        assert worker["failed"] and not worker["ok"], worker
+        assert worker["untouched_clean"], worker
+    assert result["prefill_released"] == []
