@@ -2,11 +2,9 @@
 
 One process, two GPUs: per-layer KV tensors (Qwen2.5-7B shape, float32, vLLM 0.32's [blocks, heads, block size,
 2*head size]) on cuda:0 and cuda:1, one `GatherKernel` between them (as the decode worker builds per prefill
-worker), a 512-block scattered request. Times, per request, the host's block-id checks (`descriptors.block_lists`)
-and launch (id upload, kernel launch, events), the wait and the GPU time, three ways side by side: session 2's
-(torch context managers, a fresh pinned tensor, Triton's JIT entry), IpcReader.launch through Triton's JIT entry,
-and IpcReader.launch as the decode worker runs it (the compiled kernel's launcher); then with a second thread
-polling, and the last under cProfile.
+worker), a 512-block scattered request. Times, per request: the block-id checks (`descriptors.block_lists`), the
+id upload (`GatherKernel.block_ids`), the launch, and the two events around them; then runs the same loop under
+cProfile and prints the top entries.
 
     python3 bench/gpu_launch_cost.py --out DIR
 """
@@ -73,12 +71,8 @@ def main() -> int:
     stream = torch.cuda.Stream(kernel.device)
     record_runs: dict = {}
 
-    def jit_every_time() -> None:
-        kernel._ready = [None] * len(kernel._ready)  # forget the compiled kernel: Triton's JIT entry per launch
-
     def request_contexts() -> dict:
-        """Session 2's way: torch's context managers, a fresh pinned tensor per request, Triton's JIT entry."""
-        jit_every_time()
+        """Session 2's way: torch's context managers, a fresh pinned tensor per request."""
         t0 = time.perf_counter()
         block_lists(sb, db, src_mem, dst_mem)
         t1 = time.perf_counter()
@@ -121,15 +115,10 @@ def main() -> int:
             "gpu": start.elapsed_time(end) / 1e3,
         }
 
-    def request_reader_jit() -> dict:
-        jit_every_time()
-        return request_reader()
-
     request = request_reader
     for name, fn in (
-        ("contexts + fresh pinned ids + JIT entry (session 2)", request_contexts),
-        ("IpcReader.launch + JIT entry", request_reader_jit),
-        ("IpcReader.launch (compiled kernel's launcher)", request_reader),
+        ("contexts + fresh pinned ids (session 2)", request_contexts),
+        ("IpcReader.launch", request_reader),
     ):
         for _ in range(3):
             fn()

@@ -78,7 +78,6 @@ class GatherKernel:
         self.interpret = self.device.type == "cpu"
         self.block_bytes = segments.block_bytes
         self._tables: list[torch.Tensor] = []
-        self._ready: list = []
         if not len(segments):
             return
         # One launch for every region pair: each run's addresses become word offsets from one base tensor per
@@ -108,14 +107,12 @@ class GatherKernel:
         rows //= WORD
         tile, even = _tile(rows[:, 4])
         self._args = dict(TILE=tile, ALIGN=align, EVEN=even)
-        self._constexprs = (tile, align, even)  # the same, positionally (the kernel's signature order)
         if not self.interpret:
             self._args["num_warps"] = num_warps
         self._keep = (tuple(src_tensors), tuple(dst_tensors))  # IPC mappings must outlive the kernel
         self._src_words, self._dst_words = _words(self._src), _words(self._dst)
         table = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
         self._tables = [table[k : k + MAX_GRID_Y] for k in range(0, len(table), MAX_GRID_Y)]
-        self._ready: list = [None] * len(self._tables)  # per table: the compiled kernel, after its first launch
 
     def block_ids(self, src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray) -> torch.Tensor:
         """A request's two block-id lists as one int32 tensor on the kernel's device, uploaded once and shared by
@@ -149,18 +146,9 @@ class GatherKernel:
             self._enqueue(ids, n)
 
     def _enqueue(self, ids: torch.Tensor, n: int) -> None:
-        aligned = ids.data_ptr() % 16 == 0  # what Triton specialized the compiled kernel on
-        for k, table in enumerate(self._tables):
-            grid = (n, table.shape[0])
-            ready = self._ready[k]
-            if ready is not None and aligned:
-                # The compiled kernel's own launcher: Triton's JIT entry re-binds and re-specializes every
-                # argument per call, which costs more than the launch on a slow host.
-                ready[grid](self._src_words, self._dst_words, ids, table, n, *self._constexprs)
-                continue
-            compiled = _kernel(self.interpret)[grid](self._src_words, self._dst_words, ids, table, n, **self._args)
-            if not self.interpret and aligned and hasattr(compiled, "__getitem__"):
-                self._ready[k] = compiled
+        kernel = _kernel(self.interpret)
+        for table in self._tables:
+            kernel[(n, table.shape[0])](self._src_words, self._dst_words, ids, table, n, **self._args)
 
     @property
     def launches(self) -> int:
