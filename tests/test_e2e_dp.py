@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics, running
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -44,8 +44,7 @@ def test_dp2_prefill_to_dp2_decode(tmp_path):
         name="decode-dp2",
         log_path=tmp_path / "decode.log",
     )
-    with prefill, decode, ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda s: s.wait_ready(600), (prefill, decode)))
+    with running((prefill, decode)), ThreadPoolExecutor(8) as pool:
         rng = random.Random(3)
         prompts = [[rng.randrange(1, 1000) for _ in range(140 + 25 * i)] for i in range(8)]
         firsts = list(

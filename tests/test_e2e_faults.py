@@ -20,6 +20,7 @@ from kvbridge.servers import (
     kvbridge_config,
     metric_sum,
     metrics,
+    running,
 )
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
@@ -66,15 +67,8 @@ def pair(tmp_path_factory):
         name="decode-fail",
         log_path=root / "decode-fail.log",
     )
-    try:
-        for server in (prefill, decode, strict):
-            server.start()
-        with ThreadPoolExecutor(3) as pool:
-            list(pool.map(lambda s: s.wait_ready(600), (prefill, decode, strict)))
+    with running((prefill, decode, strict)):
         yield prefill, decode, strict
-    finally:
-        for server in (strict, decode, prefill):
-            server.stop()
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.25) -> bool:

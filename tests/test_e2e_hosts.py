@@ -12,12 +12,11 @@ from __future__ import annotations
 import random
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from hosts import network_hosts
-from kvbridge.servers import VllmServer, complete, kvbridge_config, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, kvbridge_config, metric_sum, metrics, running
 from kvbridge.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -51,8 +50,7 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
         ph, dh = hosts["prefill"], hosts["decode"]
         prefill = server(model, ph, "kv_producer", 2, "0|0", tmp_path / "prefill.log")
         decode = server(model, dh, "kv_consumer", 1, "1", tmp_path / "decode.log")
-        with prefill, decode, ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.wait_ready(600), (prefill, decode)))
+        with running((prefill, decode)):
             rng = random.Random(11)
             kv_bytes_per_block = 4 * 4 * 128 * 64 * 4  # layers x KV heads x block tokens x (K+V) dims x fp32
             for n in (200, 300, 380):

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics, running
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -44,25 +43,21 @@ def kv_config(base_port: int, lease_s: float = 30.0) -> dict:
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     model = build_tiny_model(root / "model")
-    started: dict[str, VllmServer] = {}
-    try:
-        for name, (pp, tp, cores) in SERVERS.items():
-            started[name] = VllmServer(
-                model,
-                port=free_port(),
-                pp=pp,
-                tp=tp,
-                cpu_bind=cores,
-                kv_transfer_config=kv_config(free_base_port(pp * tp)),
-                name=name,
-                log_path=root / f"{name}.log",
-            ).start()
-        with ThreadPoolExecutor(len(started)) as pool:
-            list(pool.map(lambda s: s.wait_ready(600), started.values()))
+    started = {
+        name: VllmServer(
+            model,
+            port=free_port(),
+            pp=pp,
+            tp=tp,
+            cpu_bind=cores,
+            kv_transfer_config=kv_config(free_base_port(pp * tp)),
+            name=name,
+            log_path=root / f"{name}.log",
+        )
+        for name, (pp, tp, cores) in SERVERS.items()
+    }
+    with running(list(started.values())):
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:

@@ -8,11 +8,10 @@ outputs must still equal the aggregated run, with every prompt token transferred
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics
+from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics, running
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 from test_e2e_vllm import SOURCE, disaggregated, kv_config, prompts
@@ -44,15 +43,8 @@ def wide(tmp_path_factory):
             kv_transfer_config=kv_config(free_base_port(4)),
         ),
     }
-    try:
-        for s in servers.values():
-            s.start()
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.wait_ready(900), servers.values()))
+    with running(list(servers.values()), timeout=900):
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("pp4", "tp4"), ("tp4", "pp4")])

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metrics
+from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metrics, running
 from kvbridge.tiny_model import build_tiny_model
 from kvbridge.transfer_demo import free_base_port
 
@@ -49,8 +49,7 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
     )
     proxy = None
     proxy_log = open(tmp_path / "proxy.log", "wb")  # noqa: SIM115 - closed below, also on failure
-    with prefill, decode, ThreadPoolExecutor(CONCURRENCY) as pool, proxy_log:
-        list(pool.map(lambda s: s.wait_ready(600), (prefill, decode)))
+    with running((prefill, decode)), ThreadPoolExecutor(CONCURRENCY) as pool, proxy_log:
         port = free_port()
         proxy = subprocess.Popen(
             [

@@ -25,6 +25,7 @@ from kvbridge.servers import (
     metric_sum,
     metrics,
     parse_prometheus,
+    running,
     series_labels,
 )
 from kvbridge.tiny_model import STAMP, build_tiny_model
@@ -99,6 +100,19 @@ def test_wait_ready_fails_fast_with_the_log_tail_when_the_server_dies(tmp_path: 
     with server, pytest.raises(ServerError, match="exited with code") as err:
         server.wait_ready(READY_TIMEOUT_S)
     assert "log tail" in str(err.value)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_running_stops_every_server_when_one_fails(tmp_path: Path) -> None:
+    servers = [
+        VllmServer(tmp_path / f"no-model-{i}", name=f"doomed-{i}", log_path=tmp_path / f"doomed-{i}.log")
+        for i in range(2)
+    ]
+    with pytest.raises(ServerError, match="exited with code"), running(servers):
+        pytest.fail("running() returned with servers that cannot start")
+    for server in servers:
+        assert server.process is not None and server.process.poll() is not None
 
 
 def test_stop_ends_the_whole_process_tree(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -328,6 +328,20 @@ class VllmServer:
     def __repr__(self) -> str:
         pid = self.process.pid if self.process else None
         return f"VllmServer(name={self.name!r}, port={self.port}, pp={self.pp}, tp={self.tp}, pid={pid})"
+
+
+@contextlib.contextmanager
+def running(servers: Sequence[VllmServer], timeout: float = 600.0) -> Iterator[Sequence[VllmServer]]:
+    """Start every server, wait until all are ready (in parallel: each takes about half a minute), and stop them
+    all on the way out, also on failure (each then prints its log tail, as `VllmServer.__exit__` does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.enter_context(server)
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:
+            list(pool.map(lambda server: server.wait_ready(timeout), servers))
+        yield servers
 
 
 def _wait_until(done: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
