@@ -71,6 +71,14 @@ def main() -> int:
     stream = torch.cuda.Stream(kernel.device)
     record_runs: dict = {}
 
+    def finish(t0: float, t1: float, start, end) -> dict:
+        """Times of one request: checks (t0-t1), launch (t1 to now), then the wait and the GPU time."""
+        t2 = time.perf_counter()
+        end.synchronize()
+        t3 = time.perf_counter()
+        gpu = start.elapsed_time(end) / 1e3
+        return {"checks": t1 - t0, "launch": t2 - t1, "host": t2 - t0, "wait": t3 - t2, "gpu": gpu}
+
     def request_contexts() -> dict:
         """Session 2's way: torch's context managers, a fresh pinned tensor per request."""
         t0 = time.perf_counter()
@@ -83,16 +91,7 @@ def main() -> int:
             ids = kernel.block_ids(sb, db)
             kernel.launch(ids, stream)
             end.record(stream)
-        t2 = time.perf_counter()
-        end.synchronize()
-        t3 = time.perf_counter()
-        return {
-            "checks": t1 - t0,
-            "launch": t2 - t1,
-            "host": t2 - t0,
-            "wait": t3 - t2,
-            "gpu": start.elapsed_time(end) / 1e3,
-        }
+        return finish(t0, t1, start, end)
 
     # IpcReader's launcher (thread bound to device and stream once, ring of pinned id buffers); only its launch
     # is used here, on the kernel's device.
@@ -104,16 +103,7 @@ def main() -> int:
         s_arr, d_arr = block_lists(sb, db, src_mem, dst_mem)
         t1 = time.perf_counter()
         start, end = reader.launch({rank: kernel}, s_arr, d_arr)
-        t2 = time.perf_counter()
-        end.synchronize()
-        t3 = time.perf_counter()
-        return {
-            "checks": t1 - t0,
-            "launch": t2 - t1,
-            "host": t2 - t0,
-            "wait": t3 - t2,
-            "gpu": start.elapsed_time(end) / 1e3,
-        }
+        return finish(t0, t1, start, end)
 
     request = request_reader
     for name, fn in (

@@ -42,20 +42,22 @@ def test_request_moves_exactly(prefill, decode, heads):
     assert all(expired == 0 for _, _, expired, _ in result["prefill_released"]), result["prefill_released"]
 
 
-@pytest.mark.nixl
-def test_per_layer_allocations_and_several_requests():
-    """KV in one allocation per layer (as vLLM allocates on GPU: a region each), three requests one after another,
-    each claimed before it is read (verify_requests, the default)."""
-    scenario = Scenario(
+def pp2_to_tp2(**kw) -> Scenario:
+    return Scenario(
         ParallelLayout.parse("pp=2,tp=1"),
         ParallelLayout.parse("pp=1,tp=2"),
         KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32", block_size=16),
         num_blocks=48,
         request_blocks=9,
-        seed=5,
-        repeats=3,
-        layer_tensors=True,
+        **kw,
     )
+
+
+@pytest.mark.nixl
+def test_per_layer_allocations_and_several_requests():
+    """KV in one allocation per layer (as vLLM allocates on GPU: a region each), three requests one after another,
+    each claimed before it is read (verify_requests, the default)."""
+    scenario = pp2_to_tp2(seed=5, repeats=3, layer_tensors=True)
     result = run_transfer(scenario, timeout_s=90)
     for worker in result["decode"]:
         assert worker["ok"] and not worker["failed"] and worker["exact"] and worker["untouched_clean"], worker
@@ -70,14 +72,7 @@ def test_per_layer_allocations_and_several_requests():
 def test_a_refused_claim_fails_the_load_and_reads_nothing():
     """The prefill side no longer holds the request (freed, expired): every decode worker's claim is refused, the
     load fails (vLLM then recomputes) and no byte of the request's blocks is written."""
-    scenario = Scenario(
-        ParallelLayout.parse("pp=2,tp=1"),
-        ParallelLayout.parse("pp=1,tp=2"),
-        KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32", block_size=16),
-        num_blocks=48,
-        request_blocks=9,
-        held=False,
-    )
+    scenario = pp2_to_tp2(held=False)
     result = run_transfer(scenario, timeout_s=60)
     assert len(result["decode"]) == 2
     for worker in result["decode"]:
