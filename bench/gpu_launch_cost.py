@@ -39,7 +39,7 @@ from kvbridge.torch_memory import memory_from_tensors, region_tensors  # noqa: E
 
 
 def worker(device: str, layers: int, blocks: int):
-    caches = {f"layers.{i}": torch.zeros(blocks, 4, 16, 256, device=device) for i in range(layers)}
+    caches = {f"layers.{i}": torch.randn(blocks, 4, 16, 256, device=device) for i in range(layers)}
     memory = memory_from_tensors(caches, lambda name: int(name.split(".")[1]))
     return memory, region_tensors(caches, memory)
 
@@ -116,6 +116,13 @@ def main() -> int:
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(name + ": " + "  ".join(f"{k} {v * 1e6:7.1f} us" for k, v in med.items()))
         record_runs[name] = med
+    # Both ways moved the right bytes (the request's, the same each time).
+    src_t = [r.view(torch.float32).view(args.blocks, 4, 16, 256) for r in src_regions]
+    dst_t = [r.view(torch.float32).view(args.blocks, 4, 16, 256) for r in dst_regions]
+    si, di = torch.tensor(sb, device=src_t[0].device), torch.tensor(db, device=dst_t[0].device)
+    exact = all(torch.equal(d[di], s[si].to(d.device)) for s, d in zip(src_t, dst_t, strict=True))
+    print(f"bytes exact: {exact}")
+    record_runs["exact"] = exact
     # The same with a thread polling every 200 us, as the engine's step polls the worker's results.
     stop = threading.Event()
 
