@@ -13,8 +13,11 @@ from kvbridge.decode_worker import TransferStats
 _COUNTERS = ("transfers", "failures", "bytes", "descriptors", "expired_leases")
 
 
+_LISTS = ("seconds", "post_seconds")  # per load: to completion, and to the READs posted (kernels queued)
+
+
 def _empty() -> dict[str, Any]:
-    return {**dict.fromkeys(_COUNTERS, 0), "seconds": []}
+    return {**dict.fromkeys(_COUNTERS, 0), **{key: [] for key in _LISTS}}
 
 
 @dataclass
@@ -27,6 +30,7 @@ class KVBridgeStats(KVConnectorStats):
         self.data["bytes"] += stats.bytes
         self.data["descriptors"] += stats.descriptors
         self.data["seconds"].extend(stats.seconds)
+        self.data["post_seconds"].extend(stats.post_seconds)
 
     def record_expired(self, count: int) -> None:
         self.data["expired_leases"] += count
@@ -37,7 +41,8 @@ class KVBridgeStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVBridgeStats:
         for key in _COUNTERS:
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
-        self.data["seconds"] = list(self.data.get("seconds", [])) + list(other.data.get("seconds", []))
+        for key in _LISTS:
+            self.data[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -49,6 +54,9 @@ class KVBridgeStats(KVConnectorStats):
             out["avg_transfer_ms"] = round(1000 * total_s / len(seconds), 3)
             out["p90_transfer_ms"] = round(1000 * seconds[int(0.9 * (len(seconds) - 1))], 3)
             out["throughput_GBps"] = round(self.data.get("bytes", 0) / total_s / 1e9, 3) if total_s else 0.0
+        posts = self.data.get("post_seconds", [])
+        if posts:
+            out["avg_post_ms"] = round(1000 * sum(posts) / len(posts), 3)
         return out
 
     def is_empty(self) -> bool:

@@ -1,0 +1,26 @@
+"""kvbridge's statistics in vLLM's KVConnectorStats form: what the workers record, merged and reduced."""
+
+import pytest
+
+from kvbridge.decode_worker import TransferStats
+
+stats = pytest.importorskip("kvbridge.vllm.stats", reason="needs vLLM")
+
+
+def test_worker_stats_merge_and_reduce():
+    a, b = stats.KVBridgeStats(), stats.KVBridgeStats()
+    a.record(
+        TransferStats(transfers=2, bytes=4_000_000, descriptors=8, seconds=[2e-3, 4e-3], post_seconds=[1e-3, 3e-3])
+    )
+    b.record(TransferStats(transfers=1, failures=1, bytes=2_000_000, seconds=[6e-3], post_seconds=[2e-3]))
+    b.record_expired(1)
+    out = a.aggregate(b).reduce()
+    assert out["transfers"] == 3 and out["failures"] == 1 and out["descriptors"] == 8 and out["expired_leases"] == 1
+    assert out["bytes_MB"] == 6.0
+    assert out["avg_transfer_ms"] == 4.0 and out["p90_transfer_ms"] == 4.0
+    assert out["avg_post_ms"] == 2.0
+    assert out["throughput_GBps"] == 0.5
+    assert not a.is_empty()
+    a.reset()
+    assert a.is_empty()
+    assert a.reduce() == {"transfers": 0, "failures": 0, "descriptors": 0, "expired_leases": 0, "bytes_MB": 0.0}
