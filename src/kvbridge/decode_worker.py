@@ -335,7 +335,10 @@ class DecodeWorker:
             if active.error:
                 self._finish(active.job, False, active.error)
                 continue  # the claim failed: the prefill side does not hold the request
-            self._complete(active, gpu_s=active.start_event.elapsed_time(active.event) / 1e3)
+            gpu_s = None
+            with contextlib.suppress(Exception):  # a statistic: never lose this thread (and every later load) to it
+                gpu_s = active.start_event.elapsed_time(active.event) / 1e3
+            self._complete(active, gpu_s=gpu_s)
             self._notes.put((active.job, tuple(active.job.source.layout.workers())))  # after the report
 
     def _poll(self) -> None:
