@@ -496,3 +496,16 @@ def test_server_lifecycle() -> None:
         assert time.monotonic() - started < 0.5
     assert not server.running
     server.close()
+
+
+def test_test_ports_are_free_and_below_the_ephemeral_range():
+    """Servers bind their side-channel ports tens of seconds after the pick: a range among the ephemeral ports
+    could be taken meanwhile by any port-0 bind (vLLM's own ports), as happened once in CI."""
+    from kvbridge.transfer_demo import _ephemeral_low, free_base_port
+
+    for count in (1, 4, 16):
+        base = free_base_port(count)
+        assert base >= 20000 and base + count <= _ephemeral_low()
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -196,14 +197,25 @@ def _decode_main(scenario, rank, config, source, results):
         worker.close()
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for port-0 binds and outgoing connections (Linux: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_base_port(count: int) -> int:
-    """A base port with `count` free ports after it (best effort, loopback)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65535:
-            continue
+    """A base port with `count` free ports after it (loopback), below the ephemeral range.
+
+    Servers bind these ports tens of seconds later. A range among the ephemeral ports can be taken meanwhile by
+    any socket bound to port 0 (vLLM's own ZMQ and torch.distributed ports, outgoing connections); one below
+    that range can only collide with another explicit pick, and each pick is random and checked free."""
+    low, high = 20000, _ephemeral_low() - count
+    rng = random.Random(os.getpid() * 1_000_003 + time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(low, high) if high > low else rng.randrange(1024, 65535 - count)
         ok = True
         for port in range(base, base + count):
             with socket.socket() as s:
