@@ -267,8 +267,8 @@ class DecodeWorker:
         )
         total = sum(len(d) for d in descs.values())
         nbytes = sum(d.nbytes for d in descs.values())
-        active = _Active(job, transfers, started + self.config.transfer_timeout_s, started, nbytes, total)
-        active.posted = posted
+        deadline = started + self.config.transfer_timeout_s
+        active = _Active(job, transfers, deadline, started, nbytes, total, posted=posted)
         self._active.append(active)
         self._poll()
 
@@ -315,8 +315,8 @@ class DecodeWorker:
             self._finish(job, False, str(exc))
             return
         nbytes = sum(k.block_bytes for k in live.values()) * len(job.local_blocks)
-        active = _Active(job, [], started + self.config.transfer_timeout_s, started, nbytes, 0, event, start_event)
-        active.posted = time.monotonic()
+        deadline = started + self.config.transfer_timeout_s
+        active = _Active(job, [], deadline, started, nbytes, 0, event, start_event, posted=time.monotonic())
         if self.config.verify_requests and job.remote_blocks:
             try:
                 self._claim(job, list(kernels))

@@ -86,8 +86,8 @@ class GatherKernel:
         sr, dr = segments.src_region, segments.dst_region
         src_ptr = np.array([t.data_ptr() - r.addr for t, r in zip(src_tensors, src_regions, strict=True)], np.int64)
         dst_ptr = np.array([t.data_ptr() - r.addr for t, r in zip(dst_tensors, dst_regions, strict=True)], np.int64)
-        self._src, self._dst = src_tensors[int(sr[0])], dst_tensors[int(dr[0])]
-        src_base, dst_base = self._src.data_ptr(), self._dst.data_ptr()
+        src, dst = src_tensors[int(sr[0])], dst_tensors[int(dr[0])]  # the base tensors
+        src_base, dst_base = src.data_ptr(), dst.data_ptr()
         rows = np.stack(
             [
                 segments.src_addr + src_ptr[sr] - src_base,
@@ -110,7 +110,7 @@ class GatherKernel:
         if not self.interpret:
             self._args["num_warps"] = num_warps
         self._keep = (tuple(src_tensors), tuple(dst_tensors))  # IPC mappings must outlive the kernel
-        self._src_words, self._dst_words = _words(self._src), _words(self._dst)
+        self._src_words, self._dst_words = _words(src), _words(dst)
         table = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
         self._tables = [table[k : k + MAX_GRID_Y] for k in range(0, len(table), MAX_GRID_Y)]
 

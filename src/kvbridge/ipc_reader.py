@@ -104,12 +104,11 @@ class IpcReader:
         buf = self._ring[slot]
         if buf is None or buf.capacity < 2 * n:
             buf = self._ring[slot] = _IdBuffer(max(2 * n, 4096), self.device)
-        elif buf.uploaded is not None:
+        else:
             buf.uploaded.synchronize()  # its last upload must have left the pinned memory (done, but for a backlog)
         buf.host[:n], buf.host[n : 2 * n] = remote_blocks, local_blocks
         ids = buf.device[: 2 * n]
         ids.copy_(buf.pinned[: 2 * n], non_blocking=True)
-        buf.uploaded = buf.uploaded or _event()
         buf.uploaded.record(self.stream)
         return ids
 
@@ -125,10 +124,4 @@ class _IdBuffer:
         self.pinned = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
         self.host = self.pinned.numpy()
         self.device = torch.empty(capacity, dtype=torch.int32, device=device)
-        self.uploaded = None  # the event after its last host-to-device copy
-
-
-def _event():
-    import torch
-
-    return torch.cuda.Event()
+        self.uploaded = torch.cuda.Event()  # after its last host-to-device copy (never recorded: no wait)

@@ -29,8 +29,8 @@ class KVBridgeStats(KVConnectorStats):
         self.data["failures"] += stats.failures
         self.data["bytes"] += stats.bytes
         self.data["descriptors"] += stats.descriptors
-        self.data["seconds"].extend(stats.seconds)
-        self.data["post_seconds"].extend(stats.post_seconds)
+        for key in _LISTS:
+            self.data[key].extend(getattr(stats, key))
 
     def record_expired(self, count: int) -> None:
         self.data["expired_leases"] += count
