@@ -65,6 +65,9 @@ def main() -> int:
     # The kernel runs on the source tensors' device: put the "remote" buffer's view on cuda:1's side by running
     # from cuda:0 (push); the host work is the same either way.
     kernel = GatherKernel(segments, src_mem.regions, src_regions, dst_mem.regions, dst_regions)
+    jit_kernel = GatherKernel(
+        segments, src_mem.regions, src_regions, dst_mem.regions, dst_regions, compiled_launcher=False
+    )
     rng = np.random.default_rng(0)
     sb = tuple(rng.permutation(args.blocks)[: args.request_blocks].tolist())
     db = tuple(rng.permutation(args.blocks)[: args.request_blocks].tolist())
@@ -88,8 +91,8 @@ def main() -> int:
         end = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.device(kernel.device), torch.cuda.stream(stream):
             start.record(stream)
-            ids = kernel.block_ids(sb, db)
-            kernel.launch(ids, stream)
+            ids = jit_kernel.block_ids(sb, db)
+            jit_kernel.launch(ids, stream)
             end.record(stream)
         return finish(t0, t1, start, end)
 
@@ -98,17 +101,21 @@ def main() -> int:
     reader = IpcReader(src_mem, src_regions)
     reader.stream = stream
 
-    def request_reader() -> dict:
-        t0 = time.perf_counter()
-        s_arr, d_arr = block_lists(sb, db, src_mem, dst_mem)
-        t1 = time.perf_counter()
-        start, end = reader.launch({rank: kernel}, s_arr, d_arr)
-        return finish(t0, t1, start, end)
+    def reader_with(k: GatherKernel):
+        def request_reader() -> dict:
+            t0 = time.perf_counter()
+            s_arr, d_arr = block_lists(sb, db, src_mem, dst_mem)
+            t1 = time.perf_counter()
+            start, end = reader.launch({rank: k}, s_arr, d_arr)
+            return finish(t0, t1, start, end)
 
-    request = request_reader
+        return request_reader
+
+    request = reader_with(kernel)
     for name, fn in (
         ("contexts + fresh pinned ids (session 2)", request_contexts),
-        ("IpcReader.launch", request_reader),
+        ("IpcReader.launch, JIT entry (session 3)", reader_with(jit_kernel)),
+        ("IpcReader.launch, compiled launcher", request),
     ):
         for _ in range(3):
             fn()
@@ -121,8 +128,9 @@ def main() -> int:
     dst_t = [r.view(torch.float32).view(args.blocks, 4, 16, 256) for r in dst_regions]
     si, di = torch.tensor(sb, device=src_t[0].device), torch.tensor(db, device=dst_t[0].device)
     exact = all(torch.equal(d[di], s[si].to(d.device)) for s, d in zip(src_t, dst_t, strict=True))
-    print(f"bytes exact: {exact}")
+    print(f"bytes exact: {exact}; compiled launcher in use: {kernel._compiled is not None}")
     record_runs["exact"] = exact
+    record_runs["compiled_launcher_in_use"] = kernel._compiled is not None
     # The same with a thread polling every 200 us, as the engine's step polls the worker's results.
     stop = threading.Event()
 

@@ -528,8 +528,10 @@ class Bench:
             dst = self.memories(pair, layout, 1, {k: v.data_ptr() for k, v in self.dec.items()})
             src = self.memories(pair, layout, 0, self.prefill_ptrs)
             best = None
-            for warps in self.args.gather_warps:
-                rec: dict = {"on": self.args.gather_on, "num_warps": warps}
+            for warps, program_kib, grouped in self.gather_variants():
+                name = f"gather-w{warps}-p{program_kib}" + ("" if grouped else "-ungrouped")
+                rec: dict = {"on": self.args.gather_on, "num_warps": warps, "program_kib": program_kib}
+                rec["grouped"] = grouped
                 try:
                     t0 = time.perf_counter()
                     kernels, segments = [], 0
@@ -544,9 +546,13 @@ class Bench:
                                     dmem.regions,
                                     [self.dec[(dtext, r)]],
                                     num_warps=warps,
+                                    program_bytes=program_kib * 1024,
+                                    group_runs=grouped,
                                 )
                             )
                     rec.update(setup_s=time.perf_counter() - t0, launches=len(kernels), segments=segments)
+                    rec["shape"] = {k: v for k, v in kernels[0]._args.items() if k in ("TILE", "BLOCKS", "ROWS")}
+                    rec["shape"]["num_warps"] = kernels[0]._args.get("num_warps")
                     rec["programs"] = segments * len(sb)
                     devices = (self.pdev, self.ddev)
                     rec.update(
@@ -560,7 +566,7 @@ class Bench:
                 except Exception:
                     rec["error"] = traceback.format_exc()
                     self.log(f"gather: {rec['error'].strip().splitlines()[-1]}")
-                case[f"gather-w{warps}"] = rec
+                case[name] = rec
                 if "s" in rec and (best is None or paired_ratio(rec) > paired_ratio(best)):
                     best = rec
             rec = best or rec
@@ -575,6 +581,13 @@ class Bench:
                     self.staged_fn(plan, pair, sb, db, sources), pair, self.checker(pair, layout, plan, sb, db)
                 )
             self.log(short_line(case))
+
+    def gather_variants(self) -> list[tuple[int, int, bool]]:
+        """(num_warps, KiB per program step, grouped) of every gather kernel shape to time."""
+        out = [(w, kib, True) for w in self.args.gather_warps for kib in self.args.gather_program_kib]
+        if self.args.gather_ungrouped:
+            out.append((8, 16, False))
+        return out
 
     def staged_fn(self, plan: TransferPlan, pair: str, sb: np.ndarray, db: np.ndarray, sources: dict):
         """Gather the request's pages into a staging buffer on the prefill GPU, copy it to the decode GPU, scatter
@@ -707,6 +720,27 @@ def table(cases: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def variants_table(cases: list[dict]) -> str:
+    """Each gather kernel shape's ratio to the copy timed alternately with it, per case (not just the best)."""
+    names = sorted({k for c in cases for k in c if k.startswith("gather-") and isinstance(c[k], dict)})
+    if len(names) < 2:
+        return ""
+    head = f"{'pair':9}{'layout':6}{'tok':>4} {'pattern':8}" + "".join(f"{n[7:]:>22}" for n in names)
+    lines = [head, "-" * len(head)]
+    for c in cases:
+        cells = []
+        for n in names:
+            rec = c.get(n) or {}
+            r = paired_ratio(rec)
+            shape = rec.get("shape") or {}
+            tag = f"{shape.get('ROWS', '?')}x{shape.get('BLOCKS', '?')}w{shape.get('num_warps', '?')}"
+            bad = "!" if rec.get("ok") is False else ""
+            cells.append(f"{f'{r:.3f}{bad} ({tag})' if r else '-':>22}")
+        tok = f"{c['tokens'] // 1024}k" if c["tokens"] % 1024 == 0 else str(c["tokens"])
+        lines.append(f"{c['pair']:9}{c['layout']:6}{tok:>4} {c['pattern'][:7]:8}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def machine(args) -> dict:
     def version(dist: str) -> str | None:
         try:
@@ -768,6 +802,18 @@ def main(argv: list[str] | None = None) -> int:
         " (pull); decode needs --no-kernel (PyTorch maps a handle once per process)",
     )
     p.add_argument("--gather-warps", nargs="+", type=int, default=[8], help="num_warps of the gather kernel to try")
+    p.add_argument(
+        "--gather-program-kib",
+        nargs="+",
+        type=int,
+        default=[32],
+        help="bytes one gather program moves per step (KiB), to try (kvbridge.gpu_gather.PROGRAM_BYTES)",
+    )
+    p.add_argument(
+        "--gather-ungrouped",
+        action="store_true",
+        help="also time the kernel with one run per program and 16 KiB steps (session 3's shape)",
+    )
     p.add_argument("--staged", action="store_true", help="also time gather->copy->scatter through staging buffers")
     p.add_argument("--staged-layers", type=int, default=7, help="layers per pipelined chunk of --staged")
     p.add_argument("--ucx-tls", default="cuda_ipc,cuda_copy,sm,self,tcp", help="'' lets UCX choose")
@@ -873,6 +919,10 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"gpu-{stamp}.json"
     path.write_text(json.dumps(record, indent=1, default=str))
     text = table(cases)
+    variants = variants_table(cases)
+    if variants:
+        text += "\n\ngather kernel shapes, ratio to the copy timed alternately (ROWSxBLOCKS per program, num_warps):\n"
+        text += variants
     (args.out / f"gpu-{stamp}.txt").write_text(text + "\n")
     ok = all(c[v].get("ok", True) for c in cases for v in c if isinstance(c.get(v), dict))
     print("\nGB/s = request bytes / median time, from descriptors in hand to bytes in place (k-only, g-only: on the")

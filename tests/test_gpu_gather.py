@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvbridge.errors import LayoutError
-from kvbridge.gpu_gather import GatherKernel, _tile
+from kvbridge.gpu_gather import PAIR_PAD, GatherKernel, _grouping, _tile, pack_ids
 from kvbridge.memory import NAMED_LAYOUTS, synthesize_memory
 from kvbridge.segments import worker_segments
 from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
@@ -42,9 +42,53 @@ def test_kernel_with_mixed_layouts_and_long_runs():
 
 def test_tile_choice():
     assert _tile(np.array([4096, 8192])) == (4096, True)
+    assert _tile(np.array([16384, 8192]), max_tile=4096) == (4096, True)
     assert _tile(np.array([256, 512])) == (256, True)
+    assert _tile(np.array([64, 64])) == (64, True)  # one length: one exact step, however short
     assert _tile(np.array([96])) == (128, False)  # 96 words: one masked step of 128
-    assert _tile(np.array([8, 20000])) == (4096, False)
+    assert _tile(np.array([8, 20000]), max_tile=4096) == (4096, False)  # not 2500 steps of 8
+
+
+def test_grouping_fills_a_program_without_padding_rows():
+    # 1 KiB runs (a token's heads when heads are split): 32 rows of 256 words fill 32 KiB; 448 rows divide by 32
+    assert _grouping(np.full(448, 256), 256, 8192) == (32, 1)
+    assert _grouping(np.full(14, 256), 256, 8192) == (2, 16)  # 14 rows: only pairs of rows divide them
+    assert _grouping(np.full(7, 4096), 4096, 8192) == (1, 2)  # rows that do not divide: block pairs instead
+    assert _grouping(np.array([256, 512]), 256, 8192) == (1, 16)  # two lengths: never grouped, pairs capped
+    assert _grouping(np.full(28, 8192), 8192, 8192) == (1, 1)
+
+
+def test_pack_ids_pads_with_the_last_pair():
+    out = np.full(2 * PAIR_PAD + 4, -1, dtype=np.int32)
+    assert pack_ids(out, [5, 7, 9], [1, 2, 3]) == PAIR_PAD
+    assert out[:PAIR_PAD].tolist() == [5, 7] + [9] * (PAIR_PAD - 2)
+    assert out[PAIR_PAD : 2 * PAIR_PAD].tolist() == [1, 2] + [3] * (PAIR_PAD - 2)
+    assert (out[2 * PAIR_PAD :] == -1).all()
+    assert pack_ids(out, list(range(PAIR_PAD)), list(range(PAIR_PAD))) == PAIR_PAD  # a full list: no padding
+    assert pack_ids(out, [], []) == 0
+
+
+@pytest.mark.parametrize(("program_bytes", "group_runs"), [(128, True), (2048, True), (65536, True), (65536, False)])
+def test_every_program_shape_moves_the_same_bytes(program_bytes, group_runs):
+    """Grouped rows and block pairs, padded pairs, short and long runs: the bytes torch indexing says."""
+
+    def move(plan, dw, dst, sources, src_blocks, dst_blocks) -> None:
+        segments = worker_segments(plan, dw, dst.memory, {pw: w.memory for pw, w in sources.items()})
+        for pw, seg in segments.items():
+            src = sources[pw]
+            kernel = GatherKernel(
+                seg, src.memory.regions, [src.buffer], dst.memory.regions, [dst.buffer],
+                program_bytes=program_bytes, group_runs=group_runs,
+            )  # fmt: skip
+            kernel.launch(kernel.block_ids(src_blocks, dst_blocks))
+
+    small = KVGeometry(num_layers=4, num_kv_heads=4, head_size=8, dtype="float32", block_size=4)
+    blocks = list(range(19))  # 19 pairs: padded to 32
+    for p, d, src_layout, dst_layout in (("pp=2", "tp=2", "LBNHC", "LBNHC"), ("tp=2", "pp=2", "LBHNC", "LBNHC")):
+        check_layouts(
+            ParallelLayout.parse(p), ParallelLayout.parse(d), small, src_layout, dst_layout,
+            blocks[::-1], [(3 * b + 1) % 40 for b in blocks], 40, move,
+        )  # fmt: skip
 
 
 def test_region_and_tensor_mismatches_are_named():

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvbridge.cuda_ipc import IpcHandle, open_region
 from kvbridge.errors import TransferError
-from kvbridge.gpu_gather import GatherKernel
+from kvbridge.gpu_gather import GatherKernel, pack_ids, padded_pairs
 from kvbridge.memory import WorkerMemory
 from kvbridge.plan import TransferPlan
 from kvbridge.segments import worker_segments
@@ -100,15 +100,15 @@ class IpcReader:
         """The two id lists in one int32 device tensor, through the next pinned buffer of the ring."""
         slot = self._next % self.RING
         self._next += 1
-        n = len(remote_blocks)
+        size = 2 * padded_pairs(len(remote_blocks))
         buf = self._ring[slot]
-        if buf is None or buf.capacity < 2 * n:
-            buf = self._ring[slot] = _IdBuffer(max(2 * n, 4096), self.device)
+        if buf is None or buf.capacity < size:
+            buf = self._ring[slot] = _IdBuffer(max(size, 4096), self.device)
         else:
             buf.uploaded.synchronize()  # its last upload must have left the pinned memory (done, but for a backlog)
-        buf.host[:n], buf.host[n : 2 * n] = remote_blocks, local_blocks
-        ids = buf.device[: 2 * n]
-        ids.copy_(buf.pinned[: 2 * n], non_blocking=True)
+        pack_ids(buf.host, remote_blocks, local_blocks)
+        ids = buf.device[:size]
+        ids.copy_(buf.pinned[:size], non_blocking=True)
         buf.uploaded.record(self.stream)
         return ids
 
