@@ -456,6 +456,50 @@ def test_a_slow_peer_times_out_and_the_server_recovers() -> None:
         server.close()
 
 
+def _echo(message: wire.Message) -> wire.Message:
+    """Answers a Claim with its request id (as an ErrorReply), after sleeping if the id says so."""
+    assert isinstance(message, wire.Claim)
+    if message.request_id.startswith("slow"):
+        time.sleep(0.4)
+    return wire.ErrorReply(message=message.request_id)
+
+
+def _claim(request_id: str) -> wire.Claim:
+    return wire.Claim(request_id=request_id, block_ids=(1, 2), engine_id="d", worker=wire.Worker.from_core(0, FIRST))
+
+
+def test_a_kept_client_asks_several_peers_at_once_and_keeps_its_sockets() -> None:
+    with sc.SideChannelServer(0, _echo) as a, sc.SideChannelServer(0, _echo) as b:
+        client = sc.SideChannelClient(timeout_s=DEADLINE_S, retries=0)
+        try:
+            targets = [(HOST, a.port), (HOST, b.port), (HOST, a.port)]  # in order, duplicates answered once each
+            assert client.exchange_all(targets, _claim("r1")) == [wire.ErrorReply(message="r1")] * 3
+            sockets = dict(client._sockets)
+            assert len(sockets) == 2
+            assert client.exchange_all(targets[:2], _claim("r2")) == [wire.ErrorReply(message="r2")] * 2
+            assert client._sockets == sockets  # the same open sockets
+        finally:
+            client.close()
+        assert not client._sockets
+
+
+def test_a_kept_client_never_takes_a_late_answer_for_the_next_message() -> None:
+    dead = _free_port()
+    with sc.SideChannelServer(0, _echo) as server:
+        client = sc.SideChannelClient(timeout_s=0.1, retries=0)
+        try:
+            started = time.monotonic()
+            late, unreachable = client.exchange_all([(HOST, server.port), (HOST, dead)], _claim("slow-1"))
+            assert time.monotonic() - started < 0.1 + 1.0  # one timeout for both, not one each
+            assert isinstance(late, TransferTimeout) and isinstance(unreachable, TransferTimeout)
+            assert str(dead) in str(unreachable) and "1 attempts of 0.1 s" in str(unreachable)
+            time.sleep(0.5)  # the late answer to slow-1 has arrived by now (on the dropped socket)
+            client.timeout_s = DEADLINE_S
+            assert client.exchange_all([(HOST, server.port)], _claim("r2")) == [wire.ErrorReply(message="r2")]
+        finally:
+            client.close()
+
+
 def test_client_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         sc.exchange(HOST, 1, wire.Ack(), timeout_s=0)

@@ -38,7 +38,7 @@ from kvbridge.memory import WorkerMemory
 from kvbridge.params import PrefillDone
 from kvbridge.plan import TransferPlan, make_plan
 from kvbridge.prefill_worker import transport_config
-from kvbridge.side_channel import exchange, fetch_handshake, side_channel_port
+from kvbridge.side_channel import SideChannelClient, fetch_handshake, side_channel_port
 from kvbridge.topology import WorkerRank
 from kvbridge.transport import Backoff, MemType, NixlTransport, Transfer
 
@@ -131,6 +131,11 @@ class DecodeWorker:
         # dead peer's timeouts never hold up transfers or vLLM's step.
         self._notes: queue.Queue[tuple[LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
         self._notifier: threading.Thread | None = None
+        # Open side-channel connections to prefill workers, one set per thread that sends (ZMQ sockets are not
+        # thread-safe): claims from the transfer thread, notifications from the notifier.
+        timeouts = dict(timeout_s=config.handshake_timeout_s, retries=config.handshake_retries)
+        self._claims = SideChannelClient(**timeouts)
+        self._notify_client = SideChannelClient(**timeouts)
         # IPC loads whose kernels run, in launch order (one stream: their events complete in that order).
         self._launched: queue.Queue[_Active | None] = queue.Queue()
         self._waiter: threading.Thread | None = None
@@ -193,6 +198,12 @@ class DecodeWorker:
     # -- transfer thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._transfer_loop()
+        finally:
+            self._claims.close()  # the thread's own sockets
+
+    def _transfer_loop(self) -> None:
         backoff = Backoff(first_s=50e-6, cap_s=2e-3)
         while True:
             try:
@@ -216,8 +227,11 @@ class DecodeWorker:
                         self._finish(job, False, "internal error in the transfer thread (see log)")
 
     def _notify_loop(self) -> None:
-        while (item := self._notes.get()) is not None:
-            self._notify_side_channel(*item)
+        try:
+            while (item := self._notes.get()) is not None:
+                self._notify_side_channel(*item)
+        finally:
+            self._notify_client.close()
 
     def _has(self, job: LoadJob) -> bool:
         return any(a.job is job for a in self._active)
@@ -289,12 +303,12 @@ class DecodeWorker:
         over the side channel, acknowledged. A worker that does not answer frees the blocks when its lease
         expires; the load itself is not affected."""
         source, message = job.source, self._notify_message(job)
-        for rank in ranks:
-            port = side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
-            try:
-                answer = exchange(source.remote_host, port, message, timeout_s=self.config.handshake_timeout_s)
-            except Exception as exc:  # never lose the thread over a notification
-                answer = exc
+        ports = [side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, r) for r in ranks]
+        try:
+            answers = self._notify_client.exchange_all([(source.remote_host, port) for port in ports], message)
+        except Exception as exc:  # never lose the thread over a notification
+            answers = [exc] * len(ranks)
+        for rank, answer in zip(ranks, answers, strict=True):
             if not isinstance(answer, wire.Ack):
                 logger.warning("kvbridge decode %s: prefill worker %s not notified: %s", self.identity, rank, answer)
 
@@ -447,22 +461,21 @@ class DecodeWorker:
             engine_id=self.identity.engine_id,
             worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
         )
-        for rank in ranks:
-            port = side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
-            deadline = time.monotonic() + 2.0
-            while True:
-                answer = exchange(
-                    source.remote_host,
-                    port,
-                    claim,
-                    timeout_s=self.config.handshake_timeout_s,
-                    retries=self.config.handshake_retries,
-                )
-                if isinstance(answer, wire.Ack):
-                    break
-                if time.monotonic() > deadline:
-                    text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
-                    raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
+        deadline = time.monotonic() + 2.0
+        pending = list(ranks)
+        while pending:  # all at once: one round trip per attempt, however many workers
+            ports = [side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, r) for r in pending]
+            answers = self._claims.exchange_all([(source.remote_host, port) for port in ports], claim)
+            for answer in answers:
+                if isinstance(answer, Exception):  # no answer, or not a message: as exchange would raise
+                    raise answer
+            refused = [(r, a) for r, a in zip(pending, answers, strict=True) if not isinstance(a, wire.Ack)]
+            if refused and time.monotonic() > deadline:
+                rank, answer = refused[0]
+                text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
+                raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
+            pending = [r for r, _ in refused]
+            if pending:
                 time.sleep(0.02)
 
     def _forget(self, source: PrefillDone) -> None:

@@ -6,8 +6,9 @@ Three layers, I/O only in the last:
   the pp rank collided across stages, and the two sides computed them differently);
 - protocol: `respond(data, handler)` maps one received message to the bytes of its answer, and
   `handshake_handler(reply)` is the handler of a prefill worker; both are pure and tested without sockets;
-- ZMQ shell: `SideChannelServer` (a ROUTER socket served by a daemon thread) and `exchange` /
-  `fetch_handshake` (a DEALER socket per attempt, bounded retries and timeouts).
+- ZMQ shell: `SideChannelServer` (a ROUTER socket served by a daemon thread), `exchange` /
+  `fetch_handshake` (a DEALER socket per attempt, bounded retries and timeouts), and `SideChannelClient`
+  (one thread's DEALER sockets kept per address, several peers asked at once: claims and notifications).
 
 Every wait is a poll with a timeout: nothing spins, and a stopped server's thread ends within one poll.
 """
@@ -280,6 +281,98 @@ def exchange(host: str, port: int, message: wire.Message, *, timeout_s: float = 
         f"no answer from the side channel {address} to {type(message).__name__}: "
         f"{1 + retries} attempts of {timeout_s:g} s ({time.monotonic() - started:.2f} s)"
     )
+
+
+class SideChannelClient:
+    """One thread's side-channel connections, kept open per address, for the messages sent per request.
+
+    A fresh socket per message (`exchange`) costs a TCP connect and ZMQ's handshake: about 400 us on loopback
+    against 170 us on an open socket, paid per prefill worker, per request, twice (claim and notification).
+    `exchange_all` asks several peers at once, so a request read from N workers waits one round trip, not N.
+    A socket whose answer did not come in time is closed and replaced (a late answer must never be taken for the
+    next message's), so retries and timeouts behave as `exchange`'s. Not thread-safe: one per thread.
+    """
+
+    def __init__(self, *, timeout_s: float = 2.0, retries: int = 2) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._sockets: dict[str, zmq.Socket] = {}
+
+    def exchange_all(self, targets: list[tuple[str, int]], message: wire.Message) -> list[wire.Message | Exception]:
+        """Send `message` to every (host, port) and return, in order, each one's answer, or the error that
+        stands for it (TransferTimeout after `1 + retries` attempts of `timeout_s`, ProtocolError...)."""
+        payload = wire.encode(message)
+        addresses = [endpoint(host, port) for host, port in targets]
+        answers: dict[str, wire.Message | Exception] = {}
+        timeout_ms = max(1, round(self.timeout_s * 1000))
+        started = time.monotonic()
+        for attempt in range(1 + self.retries):
+            pending = [a for a in dict.fromkeys(addresses) if a not in answers]
+            if not pending:
+                break
+            polling: dict[zmq.Socket, str] = {}
+            for address in pending:
+                try:
+                    sock = self._socket(address, timeout_ms)
+                    sock.send(payload)
+                    polling[sock] = address
+                except zmq.Again:  # its queue is full: a new socket next attempt
+                    self._drop(address)
+                except zmq.ZMQError as exc:
+                    self._drop(address)
+                    answers[address] = TransferError(f"cannot reach the side channel {address}: {exc}")
+            poller = zmq.Poller()
+            for sock in polling:
+                poller.register(sock, zmq.POLLIN)
+            deadline = time.monotonic() + self.timeout_s
+            while polling and (left := deadline - time.monotonic()) > 0:
+                for sock, _ in poller.poll(max(1, round(left * 1000))):
+                    address = polling.pop(sock)
+                    poller.unregister(sock)
+                    try:
+                        answers[address] = _decode_answer(sock.recv_multipart(zmq.NOBLOCK), address)
+                    except (KVBridgeError, zmq.ZMQError) as exc:
+                        self._drop(address)
+                        answers[address] = exc
+            for address in polling.values():  # unanswered: a late answer must not meet the next message
+                self._drop(address)
+                logger.debug("side channel %s: attempt %d timed out", address, attempt + 1)
+        for address in addresses:
+            answers.setdefault(
+                address,
+                TransferTimeout(
+                    f"no answer from the side channel {address} to {type(message).__name__}: "
+                    f"{1 + self.retries} attempts of {self.timeout_s:g} s ({time.monotonic() - started:.2f} s)"
+                ),
+            )
+        return [answers[a] for a in addresses]
+
+    def close(self) -> None:
+        for address in list(self._sockets):
+            self._drop(address)
+
+    def _socket(self, address: str, timeout_ms: int) -> zmq.Socket:
+        sock = self._sockets.get(address)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            if address.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
+            self._sockets[address] = sock
+        return sock
+
+    def _drop(self, address: str) -> None:
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
 
 
 def fetch_handshake(
