@@ -1,7 +1,8 @@
-"""The worker runtimes on two GPUs, CUDA IPC path: real processes, NIXL agents, side channel, the Triton kernel.
+"""The worker runtimes on GPUs, CUDA IPC path: real processes, NIXL agents, side channel, the Triton kernel.
 
-Skipped without two CUDA GPUs (CI has none); run on the device machine with the command in bench/GPU_RESULTS.md.
-The same scenarios run on CPU through NIXL in test_transfer_processes.py.
+Prefill on cuda:0, decode on cuda:1, or both on cuda:0 with one GPU (two processes still share the memory through
+CUDA IPC). Skipped without a CUDA GPU (CI has none); run on the device machine with the command in
+bench/GPU_RESULTS.md. The same scenarios run on CPU through NIXL in test_transfer_processes.py.
 """
 
 import pytest
@@ -15,8 +16,9 @@ pytest.importorskip("triton")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.nixl,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+    pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU"),
 ]
+DECODE_DEVICE = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 GEOMETRY = KVGeometry(num_layers=6, num_kv_heads=4, head_size=64, dtype="float32", block_size=16)
 
@@ -30,7 +32,7 @@ def scenario(prefill: str, decode: str, **kw) -> Scenario:
         request_blocks=20,
         seed=3,
         prefill_device="cuda:0",
-        decode_device="cuda:1",
+        decode_device=DECODE_DEVICE,
         config=BridgeConfig(lease_s=30.0, transfer_timeout_s=30.0),
         layer_tensors=True,
         **kw,
@@ -49,6 +51,18 @@ def test_cuda_ipc_loads_are_exact_and_release_every_prefill_worker(prefill, deco
     assert sorted((rank, ids, expired) for rank, ids, expired, _ in result["prefill_released"]) == [
         (str(w), want, 0) for w in s.prefill.workers()
     ]
+
+
+def test_concurrent_ipc_loads_are_exact_and_release_every_prefill_worker():
+    """Three loads in flight at once per decode worker (kernels queued behind each other, claims meanwhile)."""
+    s = scenario("pp=2", "tp=2", repeats=7, concurrent=3)
+    result = run_transfer(s, timeout_s=120)
+    for worker in result["decode"]:
+        assert worker["path"] == "cuda-ipc", worker
+        assert worker["ok"] and worker["exact"] and worker["untouched_clean"], worker
+        assert len(worker["gpu_times_s"]) == 7
+    assert all(expired == 0 and len(ids) == 7 for _, ids, expired, _ in result["prefill_released"])
+    assert len(result["prefill_released"]) == 2
 
 
 def test_a_refused_claim_fails_the_ipc_load_after_its_kernel():

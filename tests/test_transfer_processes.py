@@ -54,15 +54,16 @@ def pp2_to_tp2(**kw) -> Scenario:
 
 
 @pytest.mark.nixl
-def test_per_layer_allocations_and_several_requests():
-    """KV in one allocation per layer (as vLLM allocates on GPU: a region each), three requests one after another,
-    each claimed before it is read (verify_requests, the default)."""
-    scenario = pp2_to_tp2(seed=5, repeats=3, layer_tensors=True)
+@pytest.mark.parametrize("concurrent", [1, 3])
+def test_per_layer_allocations_and_several_requests(concurrent):
+    """KV in one allocation per layer (as vLLM allocates on GPU: a region each), four requests one after another
+    or up to three in flight at once, each claimed before it is read (verify_requests, the default)."""
+    scenario = pp2_to_tp2(seed=5, repeats=4, layer_tensors=True, concurrent=concurrent)
     result = run_transfer(scenario, timeout_s=90)
     for worker in result["decode"]:
         assert worker["ok"] and not worker["failed"] and worker["exact"] and worker["untouched_clean"], worker
-        assert len(worker["transfer_times_s"]) == 3
-    want = ["prefill-req-0", "prefill-req-1", "prefill-req-2"]
+        assert len(worker["transfer_times_s"]) == 4
+    want = [f"prefill-req-{i}" for i in range(4)]
     assert sorted((rank, ids, expired) for rank, ids, expired, _ in result["prefill_released"]) == [
         (str(w), want, 0) for w in scenario.prefill.workers()
     ]
