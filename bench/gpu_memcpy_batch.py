@@ -146,9 +146,10 @@ def measure(args, seg, src, dst, kernel, batch, stream, sb, db) -> dict:
     try:
         with torch.cuda.stream(stream):
             for m, fn in methods.items():  # warm up, and check the bytes
-                dst.zero_()
+                dst.zero_()  # on cuda:1's stream: done before the copies (on cuda:0's) start
+                torch.cuda.synchronize(dst.device)
                 fn()
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(src.device)
                 if m != "copy":
                     rec[f"{m}_exact"] = check(src, dst, descs)
             order = list(methods)

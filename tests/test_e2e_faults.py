@@ -90,7 +90,8 @@ def test_unread_request_is_freed_when_its_lease_expires(pair):
     baseline = prefill.kv_usage()
     params = complete(prefill.url, prompt(1, 300), 1, kv_transfer_params={"do_remote_decode": True})
     assert params["kv_transfer_params"]["remote_block_ids"]
-    assert prefill.kv_usage() > baseline, "the prefill server should hold the request's blocks for a reader"
+    # (vLLM publishes the usage gauge with its step's stats, which may land just after the response)
+    assert wait_for(lambda: prefill.kv_usage() > baseline, 5), "the prefill server should hold the request's blocks"
     assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S + 10), "blocks leaked after the lease expired"
     assert wait_for(lambda: metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total") >= 1, 15)
 
@@ -136,11 +137,12 @@ def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
     expired = metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total")
     p = prompt(15, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
-    assert prefill.kv_usage() > baseline
+    assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
     with ThreadPoolExecutor(1) as pool:
         # The only sequence slot is busy with a long generation, so the PD request waits unscheduled...
-        busy = pool.submit(complete, decode.url, prompt(16, 20), 400, None, 120, ignore_eos=True)
-        time.sleep(0.5)
+        # (long enough to outlast what follows on a fast machine; running before the PD request arrives)
+        busy = pool.submit(complete, decode.url, prompt(16, 20), 1500, None, 120, ignore_eos=True)
+        assert wait_for(lambda: metric_sum(metrics(decode.url), "vllm:num_requests_running") >= 1, 30)
         # ...and its client gives up: vLLM aborts it before its load was ever scheduled.
         with pytest.raises(OSError):
             complete(decode.url, p, 8, kv_transfer_params=params, timeout=0.5)
@@ -221,7 +223,7 @@ def test_killed_decode_server_leaks_no_prefill_blocks(pair):
     baseline = prefill.kv_usage()
     p = prompt(14, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
-    assert prefill.kv_usage() > baseline
+    assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
     strict.stop(grace=0.5)
     with pytest.raises(OSError):
         complete(strict.url, p, 8, kv_transfer_params=params, timeout=10)

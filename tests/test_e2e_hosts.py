@@ -78,6 +78,9 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
                 "kv_transfer_params"
             ]
             reference = complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+            deadline = time.monotonic() + 5  # vLLM publishes the usage gauge with its step's stats, maybe later
+            while prefill.kv_usage() <= baseline and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert prefill.kv_usage() > baseline
             subprocess_ip("link", "set", ph.link, "down")
             try:
