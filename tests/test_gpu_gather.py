@@ -68,6 +68,19 @@ def test_pack_ids_pads_with_the_last_pair():
     assert pack_ids(out, [], []) == 0
 
 
+def test_unpadded_ids_are_refused():
+    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
+    layout = ParallelLayout()
+    mem = synthesize_memory("LBHNC", geometry, [0, 1], 2, 4, 4096)
+    from kvbridge.plan import make_plan
+
+    seg = worker_segments(make_plan(layout, layout, geometry), WorkerRank(0, 0), mem, {WorkerRank(0, 0): mem})
+    buf = torch.zeros(mem.regions[0].nbytes, dtype=torch.uint8)
+    kernel = GatherKernel(seg[WorkerRank(0, 0)], mem.regions, [buf], mem.regions, [buf.clone()])
+    with pytest.raises(ValueError, match="pack_ids"):
+        kernel.launch(torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+
+
 @pytest.mark.parametrize(("program_bytes", "group_runs"), [(128, True), (2048, True), (65536, True), (65536, False)])
 def test_every_program_shape_moves_the_same_bytes(program_bytes, group_runs):
     """Grouped rows and block pairs, padded pairs, short and long runs: the bytes torch indexing says."""

@@ -180,6 +180,8 @@ class GatherKernel:
         n = ids.numel() // 2
         if n == 0 or not self._tables:
             return
+        if n % PAIR_PAD:  # programs copy whole groups of pairs: unpadded ids would lose the last ones
+            raise ValueError(f"{n} block pairs: the ids must be packed by pack_ids (a multiple of {PAIR_PAD})")
         if self._compiled is not None and stream is not None:
             try:
                 self._enqueue_compiled(ids, n, stream.cuda_stream)
