@@ -8,9 +8,13 @@ READs), each with claims on (`verify_requests`, the default: one side-channel ro
 off. Every decode worker loads `--repeats` requests on the same blocks (the first includes the handshake and the
 kernel's compilation) and checks every byte it holds against the seeded reference; every prefill worker must
 free every request on its readers' notifications (not at lease expiry). Next to each, in the same run: a torch
-copy cuda:0 -> cuda:1 of as many contiguous bytes as one decode worker loads. Prints a line per run, writes JSON.
+copy cuda:0 -> cuda:1 of as many contiguous bytes as one decode worker loads, and, for all decode workers
+together, torch copies of as many bytes as the plan moves between each (prefill GPU, decode GPU) pair, all pairs
+at once. `--prefill-gpus`/`--decode-gpus` place the workers one per GPU (issue 6: pp2 on GPUs 0-1, tp2 on 2-3).
+Prints a line per run, writes JSON.
 
     python3 bench/gpu_workers.py --out DIR        # on nvidia-h200-x2 (nixl wheels carried: see GPU_RESULTS.md)
+    python3 bench/gpu_workers.py --pairs pp2->tp2 tp2->pp2 --prefill-gpus 0 1 --decode-gpus 2 3 --out DIR  # x4
 """
 
 from __future__ import annotations
@@ -33,22 +37,26 @@ from kvbridge.transfer_demo import Scenario, run_transfer  # noqa: E402
 PAIRS = ["pp1->pp1", "pp2->pp1", "pp1->tp2", "pp2->tp2", "tp2->pp2"]
 
 
-def one(pair: str, path: str, verify: bool, args) -> dict:
+def scenario_of(pair: str, path: str, verify: bool, args) -> Scenario:
     prefill, decode = (ParallelLayout.parse(x.replace("pp", "pp=").replace("tp", "tp=")) for x in pair.split("->"))
-    scenario = Scenario(
+    return Scenario(
         prefill,
         decode,
         KVGeometry(args.layers, args.kv_heads, args.head_size, "float32", args.block_size),
         num_blocks=args.blocks,
         request_blocks=args.request_blocks,
         seed=7,
-        prefill_device="cpu" if args.sim_cpu else "cuda:0",
-        decode_device="cpu" if args.sim_cpu else f"cuda:{args.decode_gpu}",
+        prefill_device="cpu" if args.sim_cpu else ",".join(f"cuda:{g}" for g in args.prefill_gpus),
+        decode_device="cpu" if args.sim_cpu else ",".join(f"cuda:{g}" for g in args.decode_gpus),
         config=BridgeConfig(gpu_peer_copy=path, verify_requests=verify, lease_s=60.0, transfer_timeout_s=60.0),
         repeats=args.repeats,
         concurrent=args.concurrent,
         layer_tensors=not args.one_allocation,
     )
+
+
+def one(pair: str, path: str, verify: bool, args) -> dict:
+    scenario = scenario_of(pair, path, verify, args)
     t0 = time.monotonic()
     result = run_transfer(scenario, timeout_s=240)
     result["wall_s"] = time.monotonic() - t0
@@ -56,22 +64,87 @@ def one(pair: str, path: str, verify: bool, args) -> dict:
     return result
 
 
-def copy_seconds(nbytes: int, decode_gpu: int, reps: int = 20) -> float:
-    """Median seconds of a torch copy of `nbytes` contiguous bytes cuda:0 -> cuda:decode_gpu (the reference)."""
+def copy_seconds(nbytes: int, src_gpu: int, dst_gpu: int, reps: int = 20) -> float:
+    """Median seconds of a torch copy of `nbytes` contiguous bytes cuda:src_gpu -> cuda:dst_gpu (the reference)."""
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{decode_gpu}")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src_gpu}")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst_gpu}")
     times = []
     for _ in range(reps + 1):
-        torch.cuda.synchronize(0), torch.cuda.synchronize(decode_gpu)
+        torch.cuda.synchronize(src_gpu), torch.cuda.synchronize(dst_gpu)
         t0 = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize(0), torch.cuda.synchronize(decode_gpu)
+        torch.cuda.synchronize(src_gpu), torch.cuda.synchronize(dst_gpu)
         times.append(time.perf_counter() - t0)
     del src, dst
     torch.cuda.empty_cache()
     return statistics.median(times[1:])
+
+
+def pair_copies(scenario: Scenario, reps: int = 20) -> dict:
+    """The reference for all decode workers together: torch copies of as many bytes as the plan moves between
+    each (prefill GPU, decode GPU) pair, all pairs at once (a stream each), median seconds."""
+    import torch
+
+    from kvbridge.plan import make_plan
+
+    g = scenario.geometry
+    tokens = scenario.request_blocks * g.block_size
+    by_pair: dict[tuple[str, str], int] = {}
+    for read in make_plan(scenario.prefill, scenario.decode, g):
+        key = (scenario.device("prefill", read.prefill_worker), scenario.device("decode", read.decode_worker))
+        by_pair[key] = by_pair.get(key, 0) + g.kv_bytes_per_token(len(read.layers), read.num_heads) * tokens
+    bufs = [
+        (torch.empty(n, dtype=torch.uint8, device=s), torch.empty(n, dtype=torch.uint8, device=d), s)
+        for (s, d), n in by_pair.items()
+    ]
+    streams = [torch.cuda.Stream(s) for _, _, s in bufs]
+    devices = sorted({d for pair in by_pair for d in pair})
+    times = []
+    for _ in range(reps + 1):
+        for d in devices:
+            torch.cuda.synchronize(d)
+        t0 = time.perf_counter()
+        for (src, dst, _), stream in zip(bufs, streams, strict=True):
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        for d in devices:
+            torch.cuda.synchronize(d)
+        times.append(time.perf_counter() - t0)
+    del bufs
+    torch.cuda.empty_cache()
+    return {
+        "pairs": {f"{s}->{d}": n for (s, d), n in by_pair.items()},
+        "bytes": sum(by_pair.values()),
+        "copy_s": statistics.median(times[1:]),
+    }
+
+
+def aggregate(r: dict, ref: dict) -> str:
+    """All decode workers together: bytes of every load after each worker's first over the span from the first
+    of those loads to the last (all workers), against the copies over the same GPU pairs at once."""
+    workers = r["decode"]
+    windows = [w["warm_window"] for w in workers if w.get("warm_window")]
+    if r["repeats"] < 2 or not windows or len(windows) != len(workers):
+        return ""
+    # From the first worker's first load done to the last worker's last: the workers' loads may not overlap
+    # (conservative: the span may hold a worker's uncounted first load).
+    per_load = (max(end for _, end in windows) - min(start for start, _ in windows)) / (r["repeats"] - 1)
+    total = sum(w["bytes"] for w in workers)
+    r["aggregate"] = {
+        "bytes_per_load": total,
+        "s_per_load": per_load,
+        "gbps": total / per_load / 1e9,
+        "copy": ref,
+        "ratio": ref["copy_s"] / per_load * total / ref["bytes"],
+    }
+    a = r["aggregate"]
+    return (
+        f"    all {len(workers)} decode workers: {total / 2**20:7.1f} MiB per load in {per_load * 1e3:6.2f} ms"
+        f" ({a['gbps']:5.1f} GB/s); copies over the same GPU pairs at once {ref['copy_s'] * 1e3:6.2f} ms"
+        f" ({ref['bytes'] / ref['copy_s'] / 1e9:5.1f} GB/s, {len(ref['pairs'])} pairs); ratio {a['ratio']:.2f}"
+    )
 
 
 def summary(r: dict, copies: dict[int, float]) -> str:
@@ -119,7 +192,9 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=1024, help="KV blocks per worker")
     p.add_argument("--request-blocks", type=int, default=512, help="the request's blocks (scattered at random)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--decode-gpu", type=int, default=1)
+    p.add_argument("--decode-gpu", type=int, default=1, help="the decode GPU (all decode workers on it)")
+    p.add_argument("--prefill-gpus", nargs="+", type=int, default=[0], help="one per prefill worker, in order")
+    p.add_argument("--decode-gpus", nargs="+", type=int, help="one per decode worker, in order (default: --decode-gpu)")
     p.add_argument(
         "--concurrent", type=int, default=1, help="loads in flight at once after the first (throughput, not latency)"
     )
@@ -128,8 +203,10 @@ def main() -> int:
     p.add_argument("--one-allocation", action="store_true", help="all layers in one KV tensor (vLLM on CPU)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "out"))
     args = p.parse_args()
+    args.decode_gpus = args.decode_gpus or [args.decode_gpu]
+    args.decode_gpu = args.decode_gpus[0]  # the per-worker copy reference: cuda:prefill_gpus[0] -> this
     args.out.mkdir(parents=True, exist_ok=True)
-    results, lines, copies = [], [], {}
+    results, lines, copies, refs = [], [], {}, {}
     for pair in args.pairs:
         for path in args.paths:
             for claims in args.claims:
@@ -138,8 +215,12 @@ def main() -> int:
                     r["repeats"] = args.repeats
                     nbytes = r["decode"][0]["bytes"]
                     if nbytes and nbytes not in copies and not args.sim_cpu:
-                        copies[nbytes] = copy_seconds(nbytes, args.decode_gpu)
+                        copies[nbytes] = copy_seconds(nbytes, args.prefill_gpus[0], args.decode_gpu)
                     line = summary(r, copies)
+                    if not args.sim_cpu:
+                        if pair not in refs:
+                            refs[pair] = pair_copies(scenario_of(pair, path, claims == "on", args))
+                        line += "\n" + aggregate(r, refs[pair])
                 except Exception as exc:  # record and go on: one scenario must not hide the others
                     r = {"pair": pair, "path_asked": path, "claims": claims, "error": f"{type(exc).__name__}: {exc}"}
                     line = f"{pair:9} {path:5} claims={claims} ERROR {r['error']}"

@@ -5,6 +5,8 @@ CUDA IPC). Skipped without a CUDA GPU (CI has none); run on the device machine w
 bench/GPU_RESULTS.md. The same scenarios run on CPU through NIXL in test_transfer_processes.py.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from kvbridge.config import BridgeConfig
@@ -51,6 +53,18 @@ def test_cuda_ipc_loads_are_exact_and_release_every_prefill_worker(prefill, deco
     assert sorted((rank, ids, expired) for rank, ids, expired, _ in result["prefill_released"]) == [
         (str(w), want, 0) for w in s.prefill.workers()
     ]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_workers_spread_over_gpus_read_each_other_through_ipc():
+    """One GPU per worker, crossed (prefill pp0 on cuda:0 and pp1 on cuda:1, decode tp0 on cuda:1 and tp1 on
+    cuda:0): every decode worker reads one peer on its own GPU and one over NVLink."""
+    s = replace(scenario("pp=2", "tp=2", repeats=2), prefill_device="cuda:0,cuda:1", decode_device="cuda:1,cuda:0")
+    result = run_transfer(s, timeout_s=120)
+    for worker in result["decode"]:
+        assert worker["path"] == "cuda-ipc", worker
+        assert worker["ok"] and worker["exact"] and worker["untouched_clean"], worker
+    assert all(expired == 0 and len(ids) == 2 for _, ids, expired, _ in result["prefill_released"])
 
 
 def test_concurrent_ipc_loads_are_exact_and_release_every_prefill_worker():

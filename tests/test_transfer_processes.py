@@ -42,6 +42,15 @@ def test_request_moves_exactly(prefill, decode, heads):
     assert all(expired == 0 for _, _, expired, _ in result["prefill_released"]), result["prefill_released"]
 
 
+def test_each_worker_may_have_its_own_device():
+    s = pp2_to_tp2(prefill_device="cuda:0,cuda:1", decode_device="cuda:2,cuda:3")
+    assert [s.device("prefill", r) for r in s.prefill.workers()] == ["cuda:0", "cuda:1"]
+    assert [s.device("decode", r) for r in s.decode.workers()] == ["cuda:2", "cuda:3"]
+    one = pp2_to_tp2(prefill_device="cuda:0", decode_device="cuda:1")  # one device: every worker on it
+    assert {one.device("prefill", r) for r in one.prefill.workers()} == {"cuda:0"}
+    assert {one.device("decode", r) for r in one.decode.workers()} == {"cuda:1"}
+
+
 def pp2_to_tp2(**kw) -> Scenario:
     return Scenario(
         ParallelLayout.parse("pp=2,tp=1"),

@@ -7,16 +7,19 @@ the plan and check every byte they hold against the reference. The prefill worke
 has notified them. This is what the connector does inside vLLM, minus vLLM.
 
 With `prefill_device`/`decode_device` set to CUDA devices the buffers live in GPU memory: NIXL registers VRAM,
-and a decode worker on the same host reads through CUDA IPC with the gather kernel (config.gpu_peer_copy).
+and a decode worker on the same host reads through CUDA IPC with the gather kernel (config.gpu_peer_copy). A
+comma-separated list gives each worker its own device, in worker order (one GPU per worker).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -34,13 +37,19 @@ class Scenario:
     num_blocks: int
     request_blocks: int
     seed: int = 0
-    prefill_device: str = "cpu"
+    prefill_device: str = "cpu"  # or "cuda:0,cuda:1": one per worker, in worker order (repeated if short)
     decode_device: str = "cpu"
     config: BridgeConfig | None = None  # the side-channel port is set by run_transfer
     repeats: int = 1  # requests with the same blocks, loaded one after another (timing)
     concurrent: int = 1  # after the first request: how many loads a decode worker keeps in flight at once
     layer_tensors: bool = False  # one KV allocation per layer (vLLM on GPU) instead of one for all layers
     held: bool = True  # False: the prefill side holds no request (it was freed), so every claim is refused
+
+    def device(self, side: str, rank: WorkerRank) -> str:
+        """The device of worker `rank` of the "prefill" or "decode" side."""
+        layout, text = (self.prefill, self.prefill_device) if side == "prefill" else (self.decode, self.decode_device)
+        devices = text.split(",")
+        return devices[list(layout.workers()).index(rank) % len(devices)]
 
     def blocks(self) -> tuple[list[int], list[int]]:
         """A request's scattered block ids on each side (seeded, never adjacent by construction)."""
@@ -108,9 +117,8 @@ def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
     from kvbridge.identity import WorkerIdentity
     from kvbridge.prefill_worker import PrefillWorker
 
-    tensors, memory, regions, _, _ = _worker_kv(
-        scenario, scenario.prefill, rank, _reference(scenario, scenario.prefill_device), scenario.prefill_device
-    )
+    device = scenario.device("prefill", rank)
+    tensors, memory, regions, _, _ = _worker_kv(scenario, scenario.prefill, rank, _reference(scenario, device), device)
     ident = WorkerIdentity(engine_id, scenario.prefill, 0, rank, scenario.geometry)
     ipc = ()
     cuda = regions[0].is_cuda
@@ -134,7 +142,7 @@ def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
         del tensors, regions
 
 
-def _decode_main(scenario, rank, config, source, results):
+def _decode_main(scenario, rank, config, source, results, warm_barrier):
     os.environ.update(_env(scenario))
     import msgspec
     import torch
@@ -142,7 +150,8 @@ def _decode_main(scenario, rank, config, source, results):
     from kvbridge.decode_worker import DecodeWorker, LoadJob
     from kvbridge.identity import WorkerIdentity
 
-    tensors, memory, regions, layers, heads = _worker_kv(scenario, scenario.decode, rank, None, scenario.decode_device)
+    device = scenario.device("decode", rank)
+    tensors, memory, regions, layers, heads = _worker_kv(scenario, scenario.decode, rank, None, device)
     ident = WorkerIdentity("demo-decode", scenario.decode, 0, rank, scenario.geometry)
     mem_type = "VRAM" if regions[0].is_cuda else "DRAM"
     worker = DecodeWorker(ident, memory, config, mem_type, regions).start()
@@ -162,6 +171,10 @@ def _decode_main(scenario, rank, config, source, results):
         while len(done) + len(failed) < len(ids) and time.monotonic() < deadline:
             finished = len(done) + len(failed)
             if finished and warm_start is None:
+                # Every decode worker starts its later loads together (their first loads, with handshakes and
+                # compilation, end at different times), so that their spans overlap as in a served engine.
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    warm_barrier.wait(timeout=30)
                 warm_start = time.monotonic()
             limit = 1 if not finished else scenario.concurrent
             while submitted < len(ids) and submitted - finished < limit:
@@ -176,10 +189,11 @@ def _decode_main(scenario, rank, config, source, results):
             gpu_seconds += s.gpu_seconds
             nbytes, descriptors = nbytes + s.bytes, descriptors + s.descriptors
             time.sleep(0.0002)
-        warm_s = time.monotonic() - warm_start if warm_start is not None else None
+        warm_end = time.monotonic()
+        warm_s = warm_end - warm_start if warm_start is not None else None
         elapsed = time.monotonic() - t0
         ok = len(done) == scenario.repeats
-        ref = _reference(scenario, scenario.decode_device)
+        ref = _reference(scenario, device)
         want = ref[layers.start : layers.stop][:, src][:, :, heads.start : heads.stop]
         exact = ok and all(torch.equal(t[dst], w) for t, w in zip(tensors, want, strict=True))
         untouched = [b for b in range(scenario.num_blocks) if b not in set(dst)]
@@ -202,6 +216,8 @@ def _decode_main(scenario, rank, config, source, results):
                 "path": "cuda-ipc" if worker.reads_through_ipc(source) else "nixl",
                 "elapsed_s": elapsed,
                 "warm_s": warm_s,  # from the first load done to the last: repeats - 1 loads
+                # the same span in CLOCK_MONOTONIC, which every process on the host shares: workers' spans compare
+                "warm_window": (warm_start, warm_end) if warm_start is not None else None,
                 "concurrent": scenario.concurrent,
             }
         )
@@ -253,6 +269,7 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
     config = msgspec.structs.replace(config, side_channel_port=base)
     ready, finished, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop = ctx.Event()
+    warm_barrier = ctx.Barrier(scenario.decode.workers_per_engine)
     src, _ = scenario.blocks()
     source = PrefillDone(
         remote_engine_id="demo-prefill",
@@ -278,7 +295,9 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
         for _ in scenario.prefill.workers():
             ready.get(timeout=max(1.0, deadline - time.monotonic()))
         for rank in scenario.decode.workers():
-            p = ctx.Process(target=_decode_main, args=(scenario, rank, config, source, results), daemon=True)
+            p = ctx.Process(
+                target=_decode_main, args=(scenario, rank, config, source, results, warm_barrier), daemon=True
+            )
             p.start()
             procs.append(p)
         decoded = [results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in scenario.decode.workers()]
