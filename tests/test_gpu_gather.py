@@ -68,15 +68,20 @@ def test_pack_ids_pads_with_the_last_pair():
     assert pack_ids(out, [], []) == 0
 
 
-def test_unpadded_ids_are_refused():
-    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
-    layout = ParallelLayout()
-    mem = synthesize_memory("LBHNC", geometry, [0, 1], 2, 4, 4096)
+def one_worker(dtype: str):
+    """A one-worker layout's memory, its segments to itself and a buffer covering its one region."""
     from kvbridge.plan import make_plan
 
-    seg = worker_segments(make_plan(layout, layout, geometry), WorkerRank(0, 0), mem, {WorkerRank(0, 0): mem})
-    buf = torch.zeros(mem.regions[0].nbytes, dtype=torch.uint8)
-    kernel = GatherKernel(seg[WorkerRank(0, 0)], mem.regions, [buf], mem.regions, [buf.clone()])
+    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype=dtype, block_size=4)
+    layout, rank = ParallelLayout(), WorkerRank(0, 0)
+    mem = synthesize_memory("LBHNC", geometry, [0, 1], 2, 4, 4096)
+    seg = worker_segments(make_plan(layout, layout, geometry), rank, mem, {rank: mem})[rank]
+    return mem, seg, torch.zeros(mem.regions[0].nbytes, dtype=torch.uint8)
+
+
+def test_unpadded_ids_are_refused():
+    mem, seg, buf = one_worker("float32")
+    kernel = GatherKernel(seg, mem.regions, [buf], mem.regions, [buf.clone()])
     with pytest.raises(ValueError, match="pack_ids"):
         kernel.launch(torch.tensor([0, 1, 2, 3], dtype=torch.int32))
 
@@ -105,17 +110,11 @@ def test_every_program_shape_moves_the_same_bytes(program_bytes, group_runs):
 
 
 def test_region_and_tensor_mismatches_are_named():
-    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=4)
-    layout = ParallelLayout()
-    mem = synthesize_memory("LBHNC", geometry, [0, 1], 2, 4, 4096)
-    from kvbridge.plan import make_plan
-
-    seg = worker_segments(make_plan(layout, layout, geometry), WorkerRank(0, 0), mem, {WorkerRank(0, 0): mem})
-    buf = torch.zeros(mem.regions[0].nbytes, dtype=torch.uint8)
+    mem, seg, buf = one_worker("float16")
     with pytest.raises(LayoutError, match="regions but"):
-        GatherKernel(seg[WorkerRank(0, 0)], mem.regions, [], mem.regions, [buf])
+        GatherKernel(seg, mem.regions, [], mem.regions, [buf])
     with pytest.raises(LayoutError, match="does not cover"):
-        GatherKernel(seg[WorkerRank(0, 0)], mem.regions, [buf[:16]], mem.regions, [buf])
+        GatherKernel(seg, mem.regions, [buf[:16]], mem.regions, [buf])
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("pp=1", "pp=1"), ("pp=2", "tp=2"), ("tp=2", "pp=2")])
