@@ -483,6 +483,25 @@ def test_a_kept_client_asks_several_peers_at_once_and_keeps_its_sockets() -> Non
         assert not client._sockets
 
 
+def test_a_kept_client_closes_the_least_recently_used_socket_beyond_its_bound() -> None:
+    with sc.SideChannelServer(0, _echo) as a, sc.SideChannelServer(0, _echo) as b, sc.SideChannelServer(0, _echo) as c:
+        client = sc.SideChannelClient(timeout_s=DEADLINE_S, retries=0, max_sockets=2)
+        try:
+            for server in (a, b, a, c):  # a is used again after b: b is the least recently used when c comes
+                assert client.exchange_all([(HOST, server.port)], _claim("r")) == [wire.ErrorReply(message="r")]
+            assert list(client._sockets) == [sc.endpoint(HOST, a.port), sc.endpoint(HOST, c.port)]
+            assert client.exchange_all([(HOST, b.port)], _claim("r2")) == [wire.ErrorReply(message="r2")]  # reopened
+            assert len(client._sockets) == 2
+            # One call to more peers than the bound: every one is answered (no socket closed under the call)...
+            targets = [(HOST, s.port) for s in (a, b, c)]
+            assert client.exchange_all(targets, _claim("r3")) == [wire.ErrorReply(message="r3")] * 3
+            # ...and the next call brings the count back to the bound.
+            assert client.exchange_all([(HOST, a.port)], _claim("r4")) == [wire.ErrorReply(message="r4")]
+            assert len(client._sockets) == 2
+        finally:
+            client.close()
+
+
 def test_a_kept_client_never_takes_a_late_answer_for_the_next_message() -> None:
     dead = _free_port()
     with sc.SideChannelServer(0, _echo) as server:

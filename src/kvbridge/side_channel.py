@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 
 import zmq
 
@@ -293,12 +294,15 @@ class SideChannelClient:
     next message's), so retries and timeouts behave as `exchange`'s. Not thread-safe: one per thread.
     """
 
-    def __init__(self, *, timeout_s: float = 2.0, retries: int = 2) -> None:
+    def __init__(self, *, timeout_s: float = 2.0, retries: int = 2, max_sockets: int = 256) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.timeout_s = timeout_s
         self.retries = retries
-        self._sockets: dict[str, zmq.Socket] = {}
+        # A long-lived decode server meets prefill instances that come and go: beyond this many addresses the
+        # least recently used socket is closed (a file descriptor each), and reopened if that peer comes back.
+        self.max_sockets = max_sockets
+        self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
 
     def exchange_all(self, targets: list[tuple[str, int]], message: wire.Message) -> list[wire.Message | Exception]:
         """Send `message` to every (host, port) and return, in order, each one's answer, or the error that
@@ -315,7 +319,7 @@ class SideChannelClient:
             polling: dict[zmq.Socket, str] = {}
             for address in pending:
                 try:
-                    sock = self._socket(address, timeout_ms)
+                    sock = self._socket(address, timeout_ms, polling.values())
                     sock.send(payload)
                     polling[sock] = address
                 except zmq.Again:  # its queue is full: a new socket next attempt
@@ -353,9 +357,11 @@ class SideChannelClient:
         for address in list(self._sockets):
             self._drop(address)
 
-    def _socket(self, address: str, timeout_ms: int) -> zmq.Socket:
+    def _socket(self, address: str, timeout_ms: int, busy: Collection[str]) -> zmq.Socket:
         sock = self._sockets.get(address)
-        if sock is None:
+        if sock is not None:
+            self._sockets.move_to_end(address)
+        else:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -367,6 +373,12 @@ class SideChannelClient:
                 sock.close(linger=0)
                 raise
             self._sockets[address] = sock
+        # Over the bound: close the least recently used, never this one or one this call still waits on (`busy`),
+        # so a call to more peers than the bound exceeds it until the next call.
+        excess = len(self._sockets) - self.max_sockets
+        if excess > 0:
+            for old in [a for a in self._sockets if a != address and a not in busy][:excess]:
+                self._drop(old)
         return sock
 
     def _drop(self, address: str) -> None:
