@@ -303,9 +303,8 @@ class DecodeWorker:
         over the side channel, acknowledged. A worker that does not answer frees the blocks when its lease
         expires; the load itself is not affected."""
         source, message = job.source, self._notify_message(job)
-        ports = [side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, r) for r in ranks]
         try:
-            answers = self._notify_client.exchange_all([(source.remote_host, port) for port in ports], message)
+            answers = self._notify_client.exchange_all([_address(source, r) for r in ranks], message)
         except Exception as exc:  # never lose the thread over a notification
             answers = [exc] * len(ranks)
         for rank, answer in zip(ranks, answers, strict=True):
@@ -404,7 +403,6 @@ class DecodeWorker:
         ident = self.identity
         peers = {}
         for rank in layout.workers():
-            port = side_channel_port(source.remote_port, layout, source.remote_dp_rank, rank)
             request = wire.HandshakeRequest.build(
                 ident.engine_id,
                 ident.layout,
@@ -416,8 +414,7 @@ class DecodeWorker:
                 target=(source.remote_dp_rank, rank),
             )
             reply = fetch_handshake(
-                source.remote_host,
-                port,
+                *_address(source, rank),
                 request,
                 timeout_s=self.config.handshake_timeout_s,
                 retries=self.config.handshake_retries,
@@ -464,8 +461,7 @@ class DecodeWorker:
         deadline = time.monotonic() + 2.0
         pending = list(ranks)
         while pending:  # all at once: one round trip per attempt, however many workers
-            ports = [side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, r) for r in pending]
-            answers = self._claims.exchange_all([(source.remote_host, port) for port in ports], claim)
+            answers = self._claims.exchange_all([_address(source, r) for r in pending], claim)
             for answer in answers:
                 if isinstance(answer, Exception):  # no answer, or not a message: as exchange would raise
                     raise answer
@@ -505,3 +501,8 @@ class DecodeWorker:
             np.asarray(job.remote_blocks, dtype=np.int64),
             np.asarray(job.local_blocks, dtype=np.int64),
         )
+
+
+def _address(source: PrefillDone, rank: WorkerRank) -> tuple[str, int]:
+    """(host, port) of the side channel of worker `rank` of the prefill engine that `source` names."""
+    return source.remote_host, side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
