@@ -259,16 +259,11 @@ def exchange(host: str, port: int, message: wire.Message, *, timeout_s: float = 
     timeout_ms = max(1, round(timeout_s * 1000))
     started = time.monotonic()
     for attempt in range(1 + retries):
-        sock = zmq.Context.instance().socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-            if ":" in host:
-                sock.setsockopt(zmq.IPV6, 1)
-            try:
-                sock.connect(address)
-            except zmq.ZMQError as exc:
-                raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
+            sock = _dealer(address, timeout_ms)
+        except zmq.ZMQError as exc:
+            raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
+        try:
             try:
                 sock.send(payload)
             except zmq.Again:
@@ -362,17 +357,7 @@ class SideChannelClient:
         if sock is not None:
             self._sockets.move_to_end(address)
         else:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-            if address.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            try:
-                sock.connect(address)
-            except zmq.ZMQError:
-                sock.close(linger=0)
-                raise
-            self._sockets[address] = sock
+            sock = self._sockets[address] = _dealer(address, timeout_ms)
         # Over the bound: close the least recently used, never this one or one this call still waits on (`busy`),
         # so a call to more peers than the bound exceeds it until the next call.
         excess = len(self._sockets) - self.max_sockets
@@ -412,6 +397,22 @@ def fetch_handshake(
     except IncompatiblePeerError as exc:
         exc.add_note(f"peer: the side channel {address}")
         raise
+
+
+def _dealer(address: str, timeout_ms: int) -> zmq.Socket:
+    """A DEALER socket connected to `address` (an `endpoint`): no linger, sends time out after `timeout_ms`.
+    Closed again if the connect fails (zmq.ZMQError)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        if address.startswith("tcp://["):  # an IPv6 literal
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(address)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
 
 
 def _decode_answer(frames: list[bytes], address: str) -> wire.Message:
