@@ -30,8 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the test suite's worker helpers (tests/nixl_peer.py)
 
-from kvbridge.topology import KVGeometry, ParallelLayout  # noqa: E402
-from kvbridge.transport import TransportConfig  # noqa: E402
+from kvbridge.core.topology import KVGeometry, ParallelLayout  # noqa: E402
+from kvbridge.transport.nixl import TransportConfig  # noqa: E402
 from nixl_peer import DecodeSide, Scenario, logical_view, prefill_main  # noqa: E402
 
 PAIRS = {

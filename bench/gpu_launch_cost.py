@@ -29,13 +29,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvbridge.descriptors import block_lists  # noqa: E402
-from kvbridge.gpu_gather import GatherKernel  # noqa: E402
-from kvbridge.ipc_reader import IpcReader  # noqa: E402
-from kvbridge.plan import make_plan  # noqa: E402
-from kvbridge.segments import worker_segments  # noqa: E402
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
-from kvbridge.torch_memory import memory_from_tensors, region_tensors  # noqa: E402
+from kvbridge.core.descriptors import block_lists  # noqa: E402
+from kvbridge.core.plan import make_plan  # noqa: E402
+from kvbridge.core.segments import worker_segments  # noqa: E402
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
+from kvbridge.transport.gpu_gather import GatherKernel  # noqa: E402
+from kvbridge.transport.ipc_reader import IpcReader  # noqa: E402
+from kvbridge.transport.torch_memory import memory_from_tensors, region_tensors  # noqa: E402
 
 
 def worker(device: str, layers: int, blocks: int):

@@ -10,8 +10,8 @@ run in rotating order on one stream of cuda:0, timed with CUDA events (all three
 process the kernel runs on its source tensor's device; bench/gpu_transfer.py measures pull through CUDA IPC):
 
   copy     one torch copy of as many contiguous bytes, cuda:0 -> cuda:1
-  kernel   kvbridge.gpu_gather.GatherKernel (one launch, ids uploaded)
-  batch    every coalesced descriptor (kvbridge.descriptors) in one cuMemcpyBatchAsync call
+  kernel   kvbridge.transport.gpu_gather.GatherKernel (one launch, ids uploaded)
+  batch    every coalesced descriptor (kvbridge.core.descriptors) in one cuMemcpyBatchAsync call
 
 plus the host time to build the descriptors and to submit the batch. Every byte of kernel and batch is checked.
 
@@ -35,12 +35,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvbridge.descriptors import expand  # noqa: E402
-from kvbridge.gpu_gather import GatherKernel  # noqa: E402
-from kvbridge.memory import synthesize_memory  # noqa: E402
-from kvbridge.plan import make_plan  # noqa: E402
-from kvbridge.segments import worker_segments  # noqa: E402
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
+from kvbridge.core.descriptors import expand  # noqa: E402
+from kvbridge.core.memory import synthesize_memory  # noqa: E402
+from kvbridge.core.plan import make_plan  # noqa: E402
+from kvbridge.core.segments import worker_segments  # noqa: E402
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
+from kvbridge.transport.gpu_gather import GatherKernel  # noqa: E402
 
 CASES = {  # name: (prefill layout, decode layout, physical layout): the decode worker is rank 0
     "pp1->pp1 LBNHC (32 KiB runs)": ("pp=1", "pp=1", "LBNHC"),

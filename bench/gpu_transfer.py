@@ -1,10 +1,11 @@
 """GPU benchmark of a request's KV transfer, prefill workers on GPU 0 -> decode workers on GPU 1, for layout pairs.
 
 Every worker's KV is one buffer in vLLM 0.32's GPU layout (per-layer views of [blocks, kv heads, block size,
-2*head size], physical order LBNHC by default, or LBHNC), described with kvbridge.memory.synthesize_memory over the
-tensor's address; the plan (kvbridge.plan.make_plan) and descriptors (kvbridge.descriptors.worker_descriptors) say
-what each decode worker copies. The prefill workers live in a spawned process on GPU 0; this process holds the
-decode workers on GPU 1. For each (layout pair, physical layout, prompt tokens, contiguous/scattered blocks) it times:
+2*head size], physical order LBNHC by default, or LBHNC), described with kvbridge.core.memory.synthesize_memory
+over the tensor's address; the plan (kvbridge.core.plan.make_plan) and descriptors
+(kvbridge.core.descriptors.worker_descriptors) say what each decode worker copies. The prefill workers live in a
+spawned process on GPU 0; this process holds the decode workers on GPU 1. For each (layout pair, physical layout,
+prompt tokens, contiguous/scattered blocks) it times:
 
   copy       torch copy_ of as many contiguous bytes, cuda:0 -> cuda:1, in this process (the hardware reference)
   nixl       kvbridge's path: coalesced descriptors, NIXL READs (UCX, VRAM) between the two processes
@@ -46,12 +47,12 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_peer_gather as gather  # noqa: E402
-from kvbridge.descriptors import Descriptors, worker_descriptors  # noqa: E402
-from kvbridge.memory import NAMED_LAYOUTS, WorkerMemory, synthesize_memory  # noqa: E402
-from kvbridge.plan import TransferPlan, make_plan  # noqa: E402
-from kvbridge.segments import worker_segments  # noqa: E402
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
-from kvbridge.transport import Backoff, NixlTransport, TransportConfig  # noqa: E402
+from kvbridge.core.descriptors import Descriptors, worker_descriptors  # noqa: E402
+from kvbridge.core.memory import NAMED_LAYOUTS, WorkerMemory, synthesize_memory  # noqa: E402
+from kvbridge.core.plan import TransferPlan, make_plan  # noqa: E402
+from kvbridge.core.segments import worker_segments  # noqa: E402
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
+from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig  # noqa: E402
 
 PAIRS = {
     "pp2->pp1": ("pp=2", "pp=1"),
@@ -110,7 +111,7 @@ def seed_of(text: str, rank: WorkerRank) -> int:
 def logical_view(buf16: torch.Tensor, layout: str, g: KVGeometry, layers: int, heads: int, blocks: int):
     """A worker's buffer as [layers, blocks, heads, tokens, K/V, head_size], whatever its physical order.
 
-    Built with torch's row-major reshape of the layout's dim order, independently of kvbridge.memory.
+    Built with torch's row-major reshape of the layout's dim order, independently of kvbridge.core.memory.
     """
     order = NAMED_LAYOUTS[layout]
     size = {"L": layers, "K": 2, "B": blocks, "H": heads, "N": g.block_size, "D": g.head_size}
@@ -185,7 +186,7 @@ def prefill_main(args, cmd_q, resp_q) -> None:
             if cmd == "ipc":
                 resp_q.put(("ipc", bufs))
             elif cmd == "ipc-handles":
-                from kvbridge.cuda_ipc import export_region
+                from kvbridge.transport.cuda_ipc import export_region
 
                 resp_q.put(("ipc-handles", {key: export_region(buf) for key, buf in bufs.items()}))
             elif cmd == "stop":
@@ -493,7 +494,7 @@ class Bench:
         and the launches on a stream of the kernels' device (the compiled launcher after the first). `fresh_ids`:
         as session 3's bench did it, a fresh pinned tensor per request and Triton's JIT entry on the current
         stream (the host's work shows in the GPU time: the GPU waits for it after the start event)."""
-        from kvbridge.gpu_gather import pack_ids, padded_pairs
+        from kvbridge.transport.gpu_gather import pack_ids, padded_pairs
 
         device = kernels[0].device
         gpu = device.type == "cuda"
@@ -550,9 +551,9 @@ class Bench:
         return run
 
     def phase_gather(self, sources: dict) -> None:
-        """kvbridge.gpu_gather: segments once per peer, then per request two block-id lists and one launch per
+        """kvbridge.transport.gpu_gather: segments once per peer, then per request two block-id lists and one launch per
         (decode worker, prefill worker); the prefill buffers are `sources` (IPC-opened tensors)."""
-        from kvbridge.gpu_gather import GatherKernel
+        from kvbridge.transport.gpu_gather import GatherKernel
 
         for key in self.case_list():
             pair, layout, tokens, pattern = key
@@ -833,13 +834,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", nargs="+", default=list(gather.CONFIGS), choices=list(gather.CONFIGS))
     p.add_argument("--no-nixl", dest="nixl", action="store_false")
     p.add_argument("--no-kernel", dest="kernel", action="store_false", help="skip bench/gpu_peer_gather.py (CuPy)")
-    p.add_argument("--no-gather", dest="gather", action="store_false", help="skip kvbridge.gpu_gather (Triton)")
+    p.add_argument(
+        "--no-gather", dest="gather", action="store_false", help="skip kvbridge.transport.gpu_gather (Triton)"
+    )
     p.add_argument(
         "--gather-on",
         choices=["prefill", "decode"],
         default="prefill",
-        help="open the IPC mapping for (and run kvbridge.gpu_gather on) the prefill GPU (push) or the decode GPU"
-        " (pull); decode needs --no-kernel (PyTorch maps a handle once per process)",
+        help="open the IPC mapping for (and run kvbridge.transport.gpu_gather on) the prefill GPU (push) or the"
+        " decode GPU (pull); decode needs --no-kernel (PyTorch maps a handle once per process)",
     )
     p.add_argument("--gather-warps", nargs="+", type=int, default=[8], help="num_warps of the gather kernel to try")
     p.add_argument(
@@ -847,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=int,
         default=[32],
-        help="bytes one gather program moves per step (KiB), to try (kvbridge.gpu_gather.PROGRAM_BYTES)",
+        help="bytes one gather program moves per step (KiB), to try (kvbridge.transport.gpu_gather.PROGRAM_BYTES)",
     )
     p.add_argument(
         "--gather-fresh-ids",
@@ -928,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.ipc = {}
         if args.gather:
             if args.gather_on == "decode" and not args.sim_cpu:
-                from kvbridge.cuda_ipc import open_region
+                from kvbridge.transport.cuda_ipc import open_region
 
                 cmd_q.put("ipc-handles")
                 kind, handles = resp_q.get(timeout=120)

@@ -1,8 +1,8 @@
 """kvbridge's worker runtimes on GPUs: real prefill and decode worker processes, side channel, NIXL, CUDA IPC.
 
-Each scenario runs `kvbridge.transfer_demo.run_transfer` (what the connector does inside vLLM, minus vLLM) with
-the prefill workers' KV on GPU 0 and the decode workers' on GPU 1, one allocation per layer as vLLM makes on GPU,
-with `gpu_peer_copy="auto"` (the decode workers open the prefill workers' CUDA IPC handles and copy with
+Each scenario runs `kvbridge.testing.transfer_scenario.run_transfer` (what the connector does inside vLLM, minus
+vLLM) with the prefill workers' KV on GPU 0 and the decode workers' on GPU 1, one allocation per layer as vLLM
+makes on GPU, with `gpu_peer_copy="auto"` (the decode workers open the prefill workers' CUDA IPC handles and copy with
 kvbridge's gather kernel, then notify over the side channel) and with `gpu_peer_copy="nixl"` (coalesced NIXL
 READs), each with claims on (`verify_requests`, the default: one side-channel round trip per prefill worker) and
 off. Every decode worker loads `--repeats` requests on the same blocks (the first includes the handshake and the
@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvbridge.config import BridgeConfig  # noqa: E402
-from kvbridge.topology import KVGeometry, ParallelLayout  # noqa: E402
-from kvbridge.transfer_demo import Scenario, run_transfer  # noqa: E402
+from kvbridge.core.config import BridgeConfig  # noqa: E402
+from kvbridge.core.topology import KVGeometry, ParallelLayout  # noqa: E402
+from kvbridge.testing.transfer_scenario import Scenario, run_transfer  # noqa: E402
 
 PAIRS = ["pp1->pp1", "pp2->pp1", "pp1->tp2", "pp2->tp2", "tp2->pp2"]
 
@@ -87,7 +87,7 @@ def pair_copies(scenario: Scenario, reps: int = 20) -> dict:
     each (prefill GPU, decode GPU) pair, all pairs at once (a stream each), median seconds."""
     import torch
 
-    from kvbridge.plan import make_plan
+    from kvbridge.core.plan import make_plan
 
     g = scenario.geometry
     tokens = scenario.request_blocks * g.block_size

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 from vllm.v1.request import RequestStatus
 
-from kvbridge.config import BridgeConfig
+from kvbridge.core.config import BridgeConfig
 from kvbridge.vllm.scheduler_side import SchedulerSide
 
 

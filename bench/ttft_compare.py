@@ -21,16 +21,16 @@ import sys
 import time
 from pathlib import Path
 
-from kvbridge.servers import (
+from kvbridge.serving.launcher import (
     RequestFailed,
     ServerError,
     VllmServer,
     complete,
     complete_streaming,
+    free_base_port,
     free_port,
 )
-from kvbridge.tiny_model import build_tiny_model
-from kvbridge.transfer_demo import free_base_port
+from kvbridge.serving.tiny_model import build_tiny_model
 
 LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}
 DEFAULT_PAIRS = "pp1-pp1,pp2-pp1,pp1-pp2,tp2-pp1,pp2-tp2"

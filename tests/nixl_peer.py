@@ -1,7 +1,7 @@
 """Prefill and decode workers for the real-NIXL tests and the CPU benchmark.
 
 Each worker holds its KV in one torch CPU buffer laid out as a named vLLM layout, described by
-`kvbridge.memory.synthesize_memory`, and owns its own NIXL agent. A process may host several workers.
+`kvbridge.core.memory.synthesize_memory`, and owns its own NIXL agent. A process may host several workers.
 Processes talk to the test over a multiprocessing Pipe (the ZMQ side channel is not used here):
 
     prefill: -> ("ready", {rank: PeerInfo}), then answers "notifs" with every notification so far, until
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvbridge.descriptors import worker_descriptors
-from kvbridge.memory import NAMED_LAYOUTS, WorkerMemory, synthesize_memory
-from kvbridge.plan import TransferPlan, make_plan
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
-from kvbridge.transport import Backoff, NixlTransport, TransportConfig
+from kvbridge.core.descriptors import worker_descriptors
+from kvbridge.core.memory import NAMED_LAYOUTS, WorkerMemory, synthesize_memory
+from kvbridge.core.plan import TransferPlan, make_plan
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,7 +94,7 @@ def reference_kv(scn: Scenario) -> torch.Tensor:
 def logical_view(buf: torch.Tensor, layout: str, geometry: KVGeometry, layers: int, heads: int, blocks: int):
     """A view of a worker's buffer as [layers, blocks, heads, tokens, K/V, head_size], whatever its layout.
 
-    Built with torch's row-major reshape of the layout's dim order, independently of kvbridge.memory.
+    Built with torch's row-major reshape of the layout's dim order, independently of kvbridge.core.memory.
     """
     order = NAMED_LAYOUTS[layout]
     size = {"L": layers, "K": 2, "B": blocks, "H": heads, "N": geometry.block_size, "D": geometry.head_size}

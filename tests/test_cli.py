@@ -6,7 +6,9 @@ import sys
 
 
 def kvbridge(*args):
-    return subprocess.run([sys.executable, "-m", "kvbridge.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbridge.serving.cli", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_plan_json_pp2_to_tp2():

@@ -16,7 +16,7 @@ def test_demo_runs_and_cleans_up(tmp_path):
         [
             sys.executable,
             "-m",
-            "kvbridge.cli",
+            "kvbridge.serving.cli",
             "demo",
             "--requests",
             "3",

@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.descriptors import Descriptors, read_descriptors, worker_descriptors
-from kvbridge.errors import IncompatiblePeerError, RequestParamsError
-from kvbridge.memory import NAMED_LAYOUTS, LayerKV, WorkerMemory, layer_from_strides, synthesize_memory
-from kvbridge.plan import Read, make_plan
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.descriptors import Descriptors, read_descriptors, worker_descriptors
+from kvbridge.core.errors import IncompatiblePeerError, RequestParamsError
+from kvbridge.core.memory import NAMED_LAYOUTS, LayerKV, WorkerMemory, layer_from_strides, synthesize_memory
+from kvbridge.core.plan import Read, make_plan
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 
 
 class Worker:

@@ -12,9 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metric_sum, metrics, running
-from kvbridge.tiny_model import build_tiny_model
-from kvbridge.transfer_demo import free_base_port
+from kvbridge.serving.launcher import (
+    VllmServer,
+    complete,
+    free_base_port,
+    free_port,
+    kvbridge_config,
+    metric_sum,
+    metrics,
+    running,
+)
+from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 

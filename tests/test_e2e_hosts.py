@@ -16,8 +16,8 @@ import time
 import pytest
 
 from hosts import network_hosts
-from kvbridge.servers import VllmServer, complete, kvbridge_config, metric_sum, metrics, running
-from kvbridge.tiny_model import build_tiny_model
+from kvbridge.serving.launcher import VllmServer, complete, kvbridge_config, metric_sum, metrics, running
+from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 

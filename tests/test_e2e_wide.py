@@ -11,9 +11,8 @@ import time
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, metric_sum, metrics, running
-from kvbridge.tiny_model import build_tiny_model
-from kvbridge.transfer_demo import free_base_port
+from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, metric_sum, metrics, running
+from kvbridge.serving.tiny_model import build_tiny_model
 from test_e2e_vllm import SOURCE, disaggregated, kv_config, prompts
 
 pytestmark = pytest.mark.vllm

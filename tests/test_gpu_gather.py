@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.errors import LayoutError
-from kvbridge.gpu_gather import PAIR_PAD, GatherKernel, _grouping, _tile, pack_ids
-from kvbridge.memory import NAMED_LAYOUTS, synthesize_memory
-from kvbridge.segments import worker_segments
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.errors import LayoutError
+from kvbridge.core.memory import NAMED_LAYOUTS, synthesize_memory
+from kvbridge.core.segments import worker_segments
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.transport.gpu_gather import PAIR_PAD, GatherKernel, _grouping, _tile, pack_ids
 from test_descriptors import CASES, check_case, check_layouts  # tests/ is on sys.path (pytest's prepend import mode)
 
 
@@ -70,7 +70,7 @@ def test_pack_ids_pads_with_the_last_pair():
 
 def one_worker(dtype: str):
     """A one-worker layout's memory, its segments to itself and a buffer covering its one region."""
-    from kvbridge.plan import make_plan
+    from kvbridge.core.plan import make_plan
 
     geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype=dtype, block_size=4)
     layout, rank = ParallelLayout(), WorkerRank(0, 0)
@@ -121,8 +121,8 @@ def test_region_and_tensor_mismatches_are_named():
 def test_one_launch_spans_per_layer_tensors(prefill, decode):
     """vLLM's per-layer KV tensors are separate allocations (regions): one launch per peer still reaches all of
     them, through offsets from one base tensor, some of them negative."""
-    from kvbridge.plan import make_plan
-    from kvbridge.torch_memory import memory_from_tensors, region_tensors
+    from kvbridge.core.plan import make_plan
+    from kvbridge.transport.torch_memory import memory_from_tensors, region_tensors
 
     geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
     p, d = ParallelLayout.parse(prefill), ParallelLayout.parse(decode)

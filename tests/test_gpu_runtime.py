@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvbridge.config import BridgeConfig
-from kvbridge.topology import KVGeometry, ParallelLayout
-from kvbridge.transfer_demo import Scenario, run_transfer
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.topology import KVGeometry, ParallelLayout
+from kvbridge.testing.transfer_scenario import Scenario, run_transfer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")

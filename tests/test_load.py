@@ -15,9 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbridge.servers import VllmServer, complete, free_port, kvbridge_config, metrics, running
-from kvbridge.tiny_model import build_tiny_model
-from kvbridge.transfer_demo import free_base_port
+from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, kvbridge_config, metrics, running
+from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
@@ -55,7 +54,7 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "kvbridge.cli",
+                "kvbridge.serving.cli",
                 "proxy",
                 "--prefill",
                 prefill.url,

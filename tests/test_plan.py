@@ -7,9 +7,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.errors import LayoutError
-from kvbridge.plan import make_plan
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.errors import LayoutError
+from kvbridge.core.plan import make_plan
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 
 
 @st.composite

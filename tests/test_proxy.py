@@ -28,8 +28,17 @@ import httpx
 import pytest
 import uvicorn
 
-from kvbridge.errors import ConfigError
-from kvbridge.proxy import (
+from kvbridge.core.errors import ConfigError
+from kvbridge.serving.launcher import (
+    VllmServer,
+    complete,
+    complete_streaming,
+    free_base_port,
+    free_port,
+    metric_sum,
+    metrics,
+)
+from kvbridge.serving.proxy import (
     Balancer,
     NoBackendError,
     Proxy,
@@ -39,9 +48,7 @@ from kvbridge.proxy import (
     prefill_body,
     socket_url,
 )
-from kvbridge.servers import VllmServer, complete, complete_streaming, free_port, metric_sum, metrics
-from kvbridge.tiny_model import build_tiny_model
-from kvbridge.transfer_demo import free_base_port
+from kvbridge.serving.tiny_model import build_tiny_model
 
 # --- the balancer and the bodies (pure) -------------------------------------------------------------------
 
@@ -476,7 +483,18 @@ def test_client_disconnect_closes_the_upstream_legs():
 def test_proxy_command_prints_its_url_and_serves():
     p, d = FakeBackend("p"), FakeBackend("d")
     with running(p, d) as (ps, ds):
-        cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", ps.url, "--decode", ds.url, "--port", "0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvbridge.serving.cli",
+            "proxy",
+            "--prefill",
+            ps.url,
+            "--decode",
+            ds.url,
+            "--port",
+            "0",
+        ]
         with proxy_process(cmd) as url:
             reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
             assert reply.status_code == 200 and reply.json()["served_by"] == "d"
@@ -515,7 +533,7 @@ def _answers(url: str) -> bool:
 def kvbridge(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "VLLM_"))}
     return subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", *args], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-m", "kvbridge.serving.cli", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 
@@ -569,7 +587,7 @@ def serve_process(args: list[str], out: Path) -> Iterator[subprocess.Popen]:
     does not exit, it is killed and so is the vLLM process group it reported."""
     with open(out, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.cli", "serve", *args],
+            [sys.executable, "-m", "kvbridge.serving.cli", "serve", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **QUIET},
@@ -637,7 +655,7 @@ def test_real_vllm_servers_behind_the_proxy(tmp_path):
         wait_healthy(decode_url, serve, tmp_path / "serve.out", 300)
         prefill.wait_ready(300)
         print(f"servers ready after {time.monotonic() - t0:.0f} s")
-        cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", prefill.url, "--decode", decode_url]
+        cmd = [sys.executable, "-m", "kvbridge.serving.cli", "proxy", "--prefill", prefill.url, "--decode", decode_url]
         with proxy_process([*cmd, "--port", "0", "--log-level", "warning", "--prefill-timeout", "60"]) as url:
             rng = random.Random(11)
             prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (150, 300, 90, 200)]

@@ -14,18 +14,18 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge import side_channel as sc
-from kvbridge import wire
-from kvbridge.errors import (
+from kvbridge.core.errors import (
     IncompatiblePeerError,
     LayoutError,
     ProtocolError,
     RequestParamsError,
     TransferTimeout,
 )
-from kvbridge.memory import synthesize_memory
-from kvbridge.plan import make_plan
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.memory import synthesize_memory
+from kvbridge.core.plan import make_plan
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.wire import messages as wire
+from kvbridge.wire import side_channel as sc
 
 HOST = "127.0.0.1"
 GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=4, head_size=16, dtype="bfloat16", block_size=16)
@@ -564,7 +564,7 @@ def test_server_lifecycle() -> None:
 def test_test_ports_are_free_and_below_the_ephemeral_range():
     """Servers bind their side-channel ports tens of seconds after the pick: a range among the ephemeral ports
     could be taken meanwhile by any port-0 bind (vLLM's own ports), as happened once in CI."""
-    from kvbridge.transfer_demo import _ephemeral_low, free_base_port
+    from kvbridge.serving.launcher import _ephemeral_low, free_base_port
 
     for count in (1, 4, 16):
         base = free_base_port(count)

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbridge.errors import LayoutError
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.errors import LayoutError
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 
 
 def vllm_pp_indices(num_layers: int, rank: int, size: int) -> tuple[int, int]:

@@ -6,8 +6,8 @@ reference, bytes of other blocks stay untouched, and every prefill worker (read 
 
 import pytest
 
-from kvbridge.topology import KVGeometry, ParallelLayout
-from kvbridge.transfer_demo import Scenario, run_transfer
+from kvbridge.core.topology import KVGeometry, ParallelLayout
+from kvbridge.testing.transfer_scenario import Scenario, run_transfer
 
 PAIRS = [
     ("pp=2,tp=1", "pp=1,tp=2", 4),  # the pair vLLM's NixlConnector fails on

@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.descriptors import Descriptors, worker_descriptors
-from kvbridge.errors import TransferError, TransferTimeout
-from kvbridge.memory import Region, WorkerMemory
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
-from kvbridge.transport import Backoff, NixlTransport, TransportConfig, apply_ucx_env, descriptor_arrays
+from kvbridge.core.descriptors import Descriptors, worker_descriptors
+from kvbridge.core.errors import TransferError, TransferTimeout
+from kvbridge.core.memory import Region, WorkerMemory
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig, apply_ucx_env, descriptor_arrays
 from nixl_peer import (  # tests/ is on sys.path under pytest's default (prepend) import mode
     DecodeSide,
     Scenario,

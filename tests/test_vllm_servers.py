@@ -1,4 +1,4 @@
-"""Real vLLM CPU servers (kvbridge.servers) serving the tiny model (kvbridge.tiny_model).
+"""Real vLLM CPU servers (kvbridge.serving.launcher) serving the tiny model (kvbridge.serving.tiny_model).
 
 The `vllm` tests start real servers, one at a time (2 cores): PP=1 and PP=2 must give token-identical greedy
 outputs in float32, and the model must not be degenerate. The other tests are fast and need no vLLM.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.servers import (
+from kvbridge.serving.launcher import (
     PP_COMPILATION_CONFIG,
     ServerError,
     VllmServer,
@@ -28,7 +28,7 @@ from kvbridge.servers import (
     running,
     series_labels,
 )
-from kvbridge.tiny_model import STAMP, build_tiny_model
+from kvbridge.serving.tiny_model import STAMP, build_tiny_model
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 

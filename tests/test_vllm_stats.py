@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvbridge.decode_worker import TransferStats
+from kvbridge.runtime.decode_worker import TransferStats
 
 stats = pytest.importorskip("kvbridge.vllm.stats", reason="needs vLLM")
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge import wire
-from kvbridge.errors import IncompatiblePeerError, LayoutError, ProtocolError
-from kvbridge.memory import NAMED_LAYOUTS, synthesize_memory
-from kvbridge.topology import DTYPE_SIZES, KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.errors import IncompatiblePeerError, LayoutError, ProtocolError
+from kvbridge.core.memory import NAMED_LAYOUTS, synthesize_memory
+from kvbridge.core.topology import DTYPE_SIZES, KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.wire import messages as wire
 
 GEOMETRY = KVGeometry(num_layers=8, num_kv_heads=4, head_size=64, dtype="bfloat16", block_size=16)
 PREFILL = ParallelLayout(pp=2, tp=2, dp=2)
@@ -427,7 +427,7 @@ def test_peer_version_reads_the_version_of_messages_we_cannot_decode() -> None:
 
 
 def test_cuda_ipc_handles_travel_in_the_handshake():
-    from kvbridge.cuda_ipc import IpcHandle
+    from kvbridge.transport.cuda_ipc import IpcHandle
 
     handle = IpcHandle(
         device=1,

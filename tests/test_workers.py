@@ -7,14 +7,14 @@ import time
 import pytest
 import torch
 
-from kvbridge import wire
-from kvbridge.config import BridgeConfig
-from kvbridge.identity import WorkerIdentity
-from kvbridge.memory import synthesize_memory
-from kvbridge.prefill_worker import PrefillWorker
-from kvbridge.side_channel import exchange, fetch_handshake
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
-from kvbridge.transfer_demo import free_base_port
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.memory import synthesize_memory
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.runtime.prefill_worker import PrefillWorker
+from kvbridge.serving.launcher import free_base_port
+from kvbridge.wire import messages as wire
+from kvbridge.wire.side_channel import exchange, fetch_handshake
 
 pytestmark = pytest.mark.nixl
 

@@ -1,13 +1,18 @@
 """kvbridge: move LLM KV caches from prefill to decode instances over NIXL, for any DP x PP x TP layout pair.
 
-The pure core (no vLLM, no NIXL): `topology` (layouts, layer and head splits), `plan` (who reads what from
-whom), `memory` (where a worker's KV bytes are), `descriptors` (the byte runs of one request).
-The shells: `transport` (NIXL), `side_channel` and `wire` (handshakes over ZMQ, msgspec messages), and the
-vLLM connector. Glossary: see `kvbridge.topology`.
+The folders are the layers; each imports only from the floors below it (`tests/test_layers.py`):
+    core/       pure: layouts, plans, memory and descriptor math, leases, config (no I/O, no torch)
+    wire/       messages, kv_transfer_params and the ZMQ side channel        (core)
+    transport/  NIXL, CUDA IPC and the gather kernel, torch tensors as memory  (core)
+    runtime/    the prefill and decode worker runtimes and their threads     (core, wire, transport)
+    vllm/       the KV connector: a thin translation to the runtimes         (all of the above)
+    serving/    the `kvbridge` command: proxy, serve, server launcher, demo   (all of the above)
+    testing/    harnesses for tests and benchmarks; nothing else imports it
+This package re-exports the core's public names. Glossary: see `kvbridge.core.topology`.
 """
 
-from kvbridge.descriptors import Descriptors, read_descriptors, worker_descriptors
-from kvbridge.errors import (
+from kvbridge.core.descriptors import Descriptors, read_descriptors, worker_descriptors
+from kvbridge.core.errors import (
     IncompatiblePeerError,
     KVBridgeError,
     LayoutError,
@@ -16,9 +21,9 @@ from kvbridge.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvbridge.memory import LayerKV, Region, WorkerMemory, layer_from_strides, synthesize_memory
-from kvbridge.plan import Read, TransferPlan, make_plan
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.memory import LayerKV, Region, WorkerMemory, layer_from_strides, synthesize_memory
+from kvbridge.core.plan import Read, TransferPlan, make_plan
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvbridge.config import BridgeConfig
+from kvbridge.core.config import BridgeConfig
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvbridge.decode_worker import LoadJob
+from kvbridge.runtime.decode_worker import LoadJob
 
 
 @dataclass

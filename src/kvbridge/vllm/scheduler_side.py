@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.config import BridgeConfig
-from kvbridge.decode_worker import LoadJob
-from kvbridge.errors import RequestParamsError
-from kvbridge.params import PrefillDone, parse_prefill_done, wants_remote_decode, wants_remote_prefill
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.errors import RequestParamsError
+from kvbridge.runtime.decode_worker import LoadJob
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.vllm_facts import advertised_host, engine_layout
+from kvbridge.wire.params import PrefillDone, parse_prefill_done, wants_remote_decode, wants_remote_prefill
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -8,7 +8,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvbridge.decode_worker import TransferStats
+from kvbridge.runtime.decode_worker import TransferStats
 
 _COUNTERS = ("transfers", "failures", "bytes", "descriptors", "expired_leases")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from kvbridge.config import BridgeConfig
-from kvbridge.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

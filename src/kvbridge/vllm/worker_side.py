@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvbridge.config import BridgeConfig
-from kvbridge.decode_worker import DecodeWorker
-from kvbridge.identity import WorkerIdentity
-from kvbridge.prefill_worker import PrefillWorker
-from kvbridge.torch_memory import memory_from_tensors, physical_order, region_tensors
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.identity import WorkerIdentity
+from kvbridge.runtime.decode_worker import DecodeWorker
+from kvbridge.runtime.prefill_worker import PrefillWorker
+from kvbridge.transport.torch_memory import memory_from_tensors, physical_order, region_tensors
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import engine_layout, geometry, worker_rank
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 def share_regions(regions) -> tuple:
     """CUDA IPC handles of the KV regions, or () when they cannot be shared (e.g. PyTorch's expandable segments):
     decode workers then read through NIXL."""
-    from kvbridge.cuda_ipc import export_region
+    from kvbridge.transport.cuda_ipc import export_region
 
     try:
         return tuple(export_region(r) for r in regions)

