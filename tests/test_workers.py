@@ -46,11 +46,28 @@ def wait_finished(worker: PrefillWorker, timeout: float = 10.0) -> tuple[set[str
 
 def test_a_side_channel_notification_frees_a_held_request_at_once(prefill):
     """What a CUDA IPC reader sends after its kernel: acknowledged, and the blocks are freed, not expired."""
-    prefill.hold("req-1", (3, 4))
-    note = wire.Notify(request_id="req-1", engine_id="d", worker=wire.Worker(), expected=1)
+    prefill.hold("req-1", (3, 4), token="tok-1")
+    note = wire.Notify(request_id="req-1", engine_id="d", worker=wire.Worker(), expected=1, token="tok-1")
     assert isinstance(exchange("127.0.0.1", prefill.port, note, timeout_s=5), wire.Ack)
-    assert exchange("127.0.0.1", prefill.port, note, timeout_s=5) == wire.Ack(request_id="req-1")  # repeat: no-op
+    again = exchange("127.0.0.1", prefill.port, note, timeout_s=5)  # repeat: no-op
+    assert again == wire.Ack(request_id="req-1", epoch=prefill.epoch)
     assert wait_finished(prefill) == ({"req-1"}, 0)
+
+
+def test_a_notification_without_the_token_frees_nothing(prefill):
+    """A forged Notify (anyone who knows a request id) is refused, says nothing, and frees nothing."""
+    prefill.hold("req-3", (2,), token="secret")
+    for token in ("", "guess"):
+        note = wire.Notify(request_id="req-3", engine_id="x", worker=wire.Worker(), expected=1, token=token)
+        assert exchange("127.0.0.1", prefill.port, note, timeout_s=5) == wire.ErrorReply(message="refused")
+        abort = wire.Abort(request_id="req-3", engine_id="x", worker=wire.Worker(), token=token)
+        assert exchange("127.0.0.1", prefill.port, abort, timeout_s=5) == wire.ErrorReply(message="refused")
+    assert wait_finished(prefill, timeout=0.5) == (set(), 0)
+    assert prefill.lease_counts()["refused"] == 4 and prefill.lease_counts()["held"] == 1
+    # the control: the right token frees it at once
+    abort = wire.Abort(request_id="req-3", engine_id="x", worker=wire.Worker(), token="secret")
+    assert isinstance(exchange("127.0.0.1", prefill.port, abort, timeout_s=5), wire.Ack)
+    assert wait_finished(prefill) == ({"req-3"}, 0)
 
 
 def test_a_request_waits_for_every_expected_reader(prefill):
@@ -75,3 +92,33 @@ def test_a_cpu_worker_shares_no_cuda_ipc_handles(prefill):
     )
     reply = fetch_handshake("127.0.0.1", prefill.port, request, timeout_s=5)
     assert reply.ipc == () and reply.host_id
+
+
+class _Guarded:
+    """The lease book, recording every access made while the worker's lock is free (a race with vLLM's step)."""
+
+    def __init__(self, book, lock) -> None:
+        object.__setattr__(self, "_book", book)
+        object.__setattr__(self, "_lock", lock)
+        object.__setattr__(self, "unlocked", [])
+
+    def __getattr__(self, name):
+        if not self._lock.locked():
+            self.unlocked.append(name)
+        return getattr(self._book, name)
+
+
+def test_the_lease_book_is_only_touched_under_the_lock(prefill):
+    """Review §3.8: `_run` read `_leases.held` outside the lock while the step thread mutated the dict (the
+    background thread died of `dictionary changed size during iteration`). Every access now holds the lock."""
+    guarded = _Guarded(prefill._leases, prefill._lock)
+    prefill._leases = guarded
+    for i in range(50):
+        prefill.hold(f"r{i}", (1,), token="t")
+        prefill.finished()  # the step thread's path
+        time.sleep(0.002)  # let the background thread run rounds
+    time.sleep(0.2)
+    assert prefill._thread.is_alive()
+    assert guarded.unlocked == []
+    guarded.held  # the control: an access without the lock is noticed  # noqa: B018
+    assert guarded.unlocked == ["held"]

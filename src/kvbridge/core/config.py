@@ -4,15 +4,21 @@
                            "kv_role": "kv_producer", "kv_connector_extra_config": {"lease_s": 30}}'
 
 Unknown keys are refused (a typo must not silently fall back to a default).
+
+Security: `auth_key` / `auth_key_file` is the deployment's shared key (never a default). With it every
+side-channel message is authenticated and the prefill signs the kv_transfer_params it hands out; without it a
+side channel may only listen on loopback (`check_exposure`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from kvbridge.core.errors import ConfigError
+from kvbridge.core.leases import READ_MARGIN_S
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -38,8 +44,10 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     handshake_retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 2
     """Further attempts after a handshake attempt times out."""
 
-    transfer_timeout_s: Seconds = 60.0
-    """A request's reads that have not all completed by then fail (and follow kv_load_failure_policy)."""
+    transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 25.0
+    """A load not complete this long after it was queued fails (and follows kv_load_failure_policy). It is also
+    how long the claim pins the request on the prefill side (plus a margin). On a kv_both instance lease_s must
+    exceed it by that margin."""
 
     verify_requests: bool = True
     """Before reading, ask each prefill worker whether it still holds the request with these blocks (one
@@ -63,9 +71,56 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_layout: str | None = None
     """A vLLM KV cache layout to ask for ("NHD" or "HND"); None asks HND only when TP sizes may differ."""
 
+    auth_key: str | None = None
+    """The deployment's shared secret (at least 16 bytes), the same on every prefill and decode instance. Prefer
+    auth_key_file; never leave a key in a command line that others can read."""
+
+    auth_key_file: str | None = None
+    """A file holding the deployment's shared secret (surrounding whitespace ignored)."""
+
+    auth_window_s: Seconds = 30.0
+    """Side-channel messages older or newer than this (clock difference included) are dropped as replays."""
+
+    max_remote_workers: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
+    """Largest prefill layout (dp*pp*tp) a decode instance accepts in kv_transfer_params, checked before anything
+    is connected or allocated."""
+
+    check_prompt: bool = True
+    """Decode side: load only kv_transfer_params computed for this request's prompt (token count and hash).
+    Off only for tests that show what the check prevents: a decode may then load another prompt's KV."""
+
+    def check_role(self, producer: bool, consumer: bool) -> None:
+        """Refuse settings that contradict each other for this role (ConfigError naming both keys)."""
+        if producer and consumer and self.lease_s < self.transfer_timeout_s + READ_MARGIN_S:
+            raise ConfigError(
+                f"kv_connector_extra_config: lease_s ({self.lease_s:g}) must exceed transfer_timeout_s "
+                f"({self.transfer_timeout_s:g}) by at least {READ_MARGIN_S:g} s"
+            )
+
+    def check_exposure(self, has_key: bool) -> bool:
+        """Whether the side channel may start: True if it is safe, False if it listens on loopback without a key
+        (callers warn once). ConfigError if it would listen beyond loopback without a key."""
+        if has_key:
+            return True
+        if _is_loopback(self.side_channel_host):
+            return False
+        raise ConfigError(
+            f"kv_connector_extra_config: side_channel_host {self.side_channel_host!r} is not a loopback address "
+            "and no auth_key_file is set: anyone on that network could read every user's KV"
+        )
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> BridgeConfig:
         try:
             return msgspec.convert(dict(extra or {}), cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

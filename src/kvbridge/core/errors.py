@@ -8,6 +8,7 @@
     ├── TransferError                  a NIXL transfer failed or its peer vanished
     │   └── TransferTimeout            a transfer or handshake did not finish in time
     └── RequestParamsError(ValueError) bad kv_transfer_params from a client
+        └── ParamsRefused              params that are well-formed but not this request's to load (`reason`)
 
 Every message names the field that is wrong and, where there are two sides, both values.
 """
@@ -51,3 +52,12 @@ class TransferTimeout(TransferError):
 
 class RequestParamsError(KVBridgeError, ValueError):
     """The kv_transfer_params of a request are missing fields or hold wrong values."""
+
+
+class ParamsRefused(RequestParamsError):
+    """kv_transfer_params that must not be loaded for this request; `reason` is the metric label
+    (bad_signature, unsigned, expired, replayed, prompt_length, prompt_hash, layout, blocks, malformed)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)

@@ -1,69 +1,177 @@
 """The prefill side's bookkeeping of held requests: pure, torch-free, with the clock passed in.
 
-A finished prefill request's blocks are held until every decode worker of the reading engine has notified
-this worker (each sends exactly one notification per request and says how many to expect), or until the
-lease expires (a dead or slow decode side must never pin blocks forever). Notifications may arrive before
-the hold does (the scheduler tells workers one step later than the HTTP response leaves): they are kept,
-and forgotten after one lease if no hold ever comes.
+A finished prefill request's blocks are held for the decode instance that was handed its kv_transfer_params:
+
+    held --claim--> being read --all readers notified--> done (freed)
+      |               |--read deadline passed-----------> expired (freed)
+      |--lease_s------------------------------------------> expired (freed)
+      |--abort (from the reader, or the proxy)-----------> done (freed now)
+
+A claim pins the request for one reading engine: from then on the lease never frees it; only the readers'
+notifications, an abort or the read deadline (the reader's own transfer timeout plus a margin, extended by each
+claim of that engine's workers) do. Every claim, notification and abort must carry the request's secret token
+(from the signed kv_transfer_params), so nobody else can free or pin a request; a claim must also name the
+prompt hash and only blocks of the request. Notifications may arrive before the hold (without claims): a few are
+kept, briefly, and checked against the token once the hold comes.
 """
 
 from __future__ import annotations
 
+import hmac
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+READ_MARGIN_S = 5.0
+"""Added to a reader's transfer timeout before its claim's pin lapses: the reader fails its load at its own
+deadline, so the margin only has to cover the time its abort or notification takes to arrive."""
+
+MAX_READ_S = 600.0
+"""The longest pin a claim gets (a reader's transfer timeout may not exceed it: config checks)."""
+
+MAX_EARLY = 1024
+"""Notifications kept for holds that have not arrived yet (bounded: an unheld id costs a dict entry)."""
 
 
 @dataclass
 class _Entry:
-    expiry: float | None = None  # None: not held (yet), only notified
-    received: int = 0
+    token: str
+    prompt_hash: str
+    blocks: frozenset[int]
+    expiry: float
+    reader: str | None = None  # the decode engine that claimed it
+    read_until: float | None = None
     expected: int | None = None
-    first_seen: float = 0.0
     readers: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Early:
+    seen: float
+    notes: list[tuple[str, str, str, int]] = field(default_factory=list)  # (token, engine, worker, expected)
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
 
 
 @dataclass
 class LeaseBook:
     lease_s: float
+    early_ttl_s: float = 10.0
     _entries: dict[str, _Entry] = field(default_factory=dict)
+    _early: OrderedDict[str, _Early] = field(default_factory=OrderedDict)
+    _aborted: set[str] = field(default_factory=set)
     expired_total: int = 0
     completed_total: int = 0
+    aborted_total: int = 0
+    refused_total: int = 0  # claims, notifications and aborts that named no held request or a wrong token
 
-    def hold(self, request_id: str, now: float) -> None:
-        entry = self._entries.setdefault(request_id, _Entry(first_seen=now))
-        entry.expiry = now + self.lease_s
+    def hold(
+        self,
+        request_id: str,
+        now: float,
+        token: str = "",
+        prompt_hash: str = "",
+        blocks: Iterable[int] = (),
+    ) -> None:
+        entry = _Entry(token, prompt_hash, frozenset(blocks), now + self.lease_s)
+        self._entries[request_id] = entry
+        early = self._early.pop(request_id, None)
+        for note_token, engine, worker, expected in early.notes if early else ():
+            self._note(entry, note_token, engine, worker, expected)
 
-    def notified(self, request_id: str, reader: str, expected: int, now: float) -> None:
-        """One decode worker (`reader`) is done with `request_id`; repeats from the same reader count once."""
-        entry = self._entries.setdefault(request_id, _Entry(first_seen=now))
-        if reader in entry.readers:
-            return
-        entry.readers.add(reader)
-        entry.received += 1
+    def claim(
+        self,
+        request_id: str,
+        token: str,
+        prompt_hash: str,
+        blocks: Iterable[int],
+        reader: str,
+        read_s: float,
+        now: float,
+    ) -> str | None:
+        """Pin `request_id` for `reader` (a decode engine) for `read_s` more seconds; None if granted, else why not
+        (one word: not_held, mismatch, other_reader). A refusal says nothing of a request to one without its token."""
+        entry = self._entries.get(request_id)
+        if entry is None or not _same(entry.token, token) or self._lapsed(entry, now):
+            self.refused_total += 1
+            return "not_held"
+        if entry.prompt_hash != prompt_hash or not entry.blocks.issuperset(blocks):
+            self.refused_total += 1
+            return "mismatch"
+        if entry.reader is not None and entry.reader != reader:
+            self.refused_total += 1
+            return "other_reader"
+        entry.reader = reader
+        until = now + min(max(read_s, 1.0), MAX_READ_S) + READ_MARGIN_S
+        entry.read_until = max(entry.read_until or until, until)
+        return None
+
+    def notified(self, request_id: str, token: str, engine: str, worker: str, expected: int, now: float) -> bool:
+        """Decode worker `worker` of engine `engine` is done with `request_id`; repeats count once.
+        False if the notification was not taken (wrong token, another engine's, nowhere to keep it)."""
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            return self._note(entry, token, engine, worker, expected)
+        early = self._early.get(request_id)
+        if early is None:
+            if len(self._early) >= MAX_EARLY:
+                self.refused_total += 1
+                return False
+            early = self._early[request_id] = _Early(now)
+        if len(early.notes) < 64:
+            early.notes.append((token, engine, worker, expected))
+        return True
+
+    def abort(self, request_id: str, token: str) -> bool:
+        """The reader will not read (or finish reading): free now. False for a wrong token or unknown id."""
+        entry = self._entries.get(request_id)
+        if entry is None or not _same(entry.token, token):
+            self.refused_total += 1
+            return False
+        del self._entries[request_id]
+        self._aborted.add(request_id)
+        self.aborted_total += 1
+        return True
+
+    def _note(self, entry: _Entry, token: str, engine: str, worker: str, expected: int) -> bool:
+        if not _same(entry.token, token) or (entry.reader is not None and entry.reader != engine):
+            self.refused_total += 1
+            return False
+        entry.reader = engine
+        entry.readers.add(worker)
         entry.expected = expected
+        return True
+
+    def _lapsed(self, entry: _Entry, now: float) -> bool:
+        if entry.read_until is not None:
+            return now >= entry.read_until
+        return now >= entry.expiry
 
     def due(self, now: float) -> tuple[set[str], set[str]]:
-        """(requests all readers are done with, requests whose lease expired); both are forgotten."""
-        done, expired = set(), set()
+        """(requests to free now: read by all readers or aborted, requests whose lease or read deadline passed);
+        both are forgotten."""
+        done, expired = self._aborted, set()
+        self._aborted = set()
         for request_id, entry in list(self._entries.items()):
-            if entry.expiry is None:
-                if now - entry.first_seen > self.lease_s:
-                    del self._entries[request_id]  # notifications for a hold that never came
-                continue
-            if entry.expected is not None and entry.received >= entry.expected:
+            if entry.expected is not None and len(entry.readers) >= entry.expected:
                 done.add(request_id)
-            elif now >= entry.expiry:
+            elif self._lapsed(entry, now):
                 expired.add(request_id)
             else:
                 continue
             del self._entries[request_id]
+        while self._early and now - next(iter(self._early.values())).seen > self.early_ttl_s:
+            self._early.popitem(last=False)
         self.completed_total += len(done)
         self.expired_total += len(expired)
         return done, expired
 
     @property
     def held(self) -> int:
-        return sum(1 for e in self._entries.values() if e.expiry is not None)
+        return len(self._entries)
 
     def next_expiry(self) -> float | None:
-        expiries = [e.expiry for e in self._entries.values() if e.expiry is not None]
+        expiries = [e.read_until if e.read_until is not None else e.expiry for e in self._entries.values()]
         return min(expiries) if expiries else None

@@ -1,18 +1,25 @@
-"""A decode worker's runtime: fetch prefill workers' handshakes, read a request's KV, tell the readers' peers.
+"""A decode worker's runtime: read a request's KV from the prefill workers that hold it, then tell them.
 
-One transfer thread owns the NIXL transport; the engine's step thread only calls `load` and `results`.
-Per request the thread connects to every worker of the prefill engine (cached per engine), computes the
-descriptors of the plan, posts one READ per prefill worker it reads from (its completion notifies that worker)
-and tells the others over the side channel, acknowledged (every prefill worker must learn that this decode worker
-is done, or it would hold the blocks until its lease expires; a bare NIXL notification to a peer with no READ can
-sit unsent until UCX happens to make progress), then polls the READs with backoff. Failures and timeouts become
-failed ids; nothing here raises into the engine.
+Every load takes one order of operations, whatever the path:
 
-GPU memory on both sides, same host: the engine's workers are read through CUDA IPC by kvbridge's gather kernel
-instead (`kvbridge.transport.ipc_reader`). The transfer thread launches, then claims the blocks while the kernel runs (a
-read before the claim is safe: it only reads, and the load counts only if the claim then succeeds); a waiter thread
-sleeps on the kernels' blocking-sync CUDA event, reports the load the moment it completes, and hands the
-notifications to the notifier thread.
+    queued --(control thread) connect, claim--> claimed --(transfer thread) post READs / launch kernels-->
+    in flight --(poll / waiter)--> reported --(notifier) Notify the prefill workers
+
+and on any failure: drained (nothing can still write the blocks) --> reported failed --> Abort to the prefill
+workers, which free the blocks at once. Every load has a deadline from the moment it is queued.
+
+Threads, so that nothing slow stands in front of a transfer:
+- control threads (a small pool): handshakes (`peers.PeerBook`: one per engine, shared by the jobs waiting for
+  it) and claims (which pin the request on the prefill side for the read). One slow or dead engine holds only
+  its own jobs; a dead one fails the next jobs to it at once for a while.
+- the transfer thread: owns NIXL (with `results()`, which polls too when it can take the lock): posts claimed
+  jobs' READs, or launches their gather kernels on the CUDA IPC path (`kvbridge.transport.ipc_reader`), and
+  polls READs. A READ whose release NIXL refuses (a status error does not mean the DMA stopped) is kept and
+  retried; its load is reported failed only once the release succeeds.
+- the waiter (CUDA IPC path): sleeps on the kernels' blocking-sync events and reports loads as they finish; an
+  engine's IPC mappings stay open while any kernel queued on them runs.
+- the notifier: sends notifications and aborts over the side channel (a dead peer's timeouts delay no load).
+Nothing here raises into the engine.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,60 +38,60 @@ import numpy as np
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.descriptors import block_lists, worker_descriptors
-from kvbridge.core.errors import KVBridgeError, RequestParamsError
+from kvbridge.core.errors import KVBridgeError, RequestParamsError, TransferError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import WorkerMemory
-from kvbridge.core.plan import TransferPlan, make_plan
 from kvbridge.core.topology import WorkerRank
-from kvbridge.runtime.host import host_id
+from kvbridge.runtime.peers import Engine, PeerBook, address
 from kvbridge.runtime.prefill_worker import transport_config
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, Transfer
 from kvbridge.wire import messages as wire
+from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
-from kvbridge.wire.side_channel import SideChannelClient, fetch_handshake, side_channel_port
+from kvbridge.wire.side_channel import SideChannelClient
 
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.core.memory import IpcHandle
-
 logger = logging.getLogger(__name__)
+
+CLAIM_WINDOW_S = 2.0
+"""How long a claim refused as `not_held` is retried: the prefill side learns of a hold one engine step after the
+client got its kv_transfer_params."""
 
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Read `remote_blocks` of a prefill request into `local_blocks`; `report` False: only notify the prefill
-    side (the request is gone here, e.g. aborted before it was scheduled)."""
+    """Read `remote_blocks` of a prefill request into `local_blocks`. `report` False: only tell the prefill side
+    to free (the request is gone here, e.g. aborted before it was scheduled). `refused`: fail at once, reading
+    nothing (the scheduler refused the params under kv_load_failure_policy=fail)."""
 
     request_id: str
-    source: PrefillDone
+    source: PrefillDone | None
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     report: bool = True
+    refused: str = ""
 
 
 @dataclass
-class _Peer:
-    agent: str
-    memory: WorkerMemory
-    same_host: bool = False
-    ipc: tuple[IpcHandle, ...] = ()
+class _Load:
+    """One job on its way: what it holds at each step."""
 
-
-@dataclass
-class _Active:
     job: LoadJob
-    transfers: list[Transfer]
+    queued: float
     deadline: float
-    started: float
-    nbytes: int
-    descriptors: int
-    # IPC path: the gather kernels' CUDA event. No timeout once launched: a kernel cannot be cancelled, and failing
-    # the load would let vLLM reuse blocks it still writes (it takes milliseconds; the lease is far longer).
+    engine: Engine | None = None
+    begun: bool = False  # counted in engine.inflight (reached the transfer thread)
+    transfers: list[Transfer] = field(default_factory=list)
+    read_ranks: tuple[WorkerRank, ...] = ()
+    nbytes: int = 0
+    descriptors: int = 0
+    posted: float = 0.0
+    # CUDA IPC path: the kernels' events (the GPU time is start_event.elapsed_time(event))
     event: Any = None
-    start_event: Any = None  # recorded before the kernels: the GPU time is start_event.elapsed_time(event)
-    posted: float = 0.0  # when the READs were posted or the kernels queued (monotonic)
-    error: str = ""  # IPC path: the claim failed while the kernel ran; the load fails once the kernel is done
+    start_event: Any = None
+    error: str = ""  # set once it failed; it is reported when nothing can still write its blocks
 
 
 @dataclass
@@ -107,40 +115,36 @@ class DecodeWorker:
         config: BridgeConfig,
         mem_type: MemType = "DRAM",
         regions: Sequence[torch.Tensor] = (),
+        key: bytes | None = None,
+        control_threads: int = 8,
     ) -> None:
         """`regions`: `memory`'s regions as tensors (`torch_memory.region_tensors`); with GPU memory they enable
-        the CUDA IPC path (config.gpu_peer_copy)."""
+        the CUDA IPC path (config.gpu_peer_copy). `key`: the deployment key (`wire.auth.load_key`)."""
         self.identity = identity
         self.memory = memory
         self.config = config
         self.mem_type = mem_type
         # A kv_both worker also runs a PrefillWorker: agent names must differ.
         self.transport = NixlTransport(identity.agent_name + "-reader", transport_config(config, mem_type))
-        self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
-        self._lock = threading.Lock()
+        self.sealer = Sealer(key, window_s=config.auth_window_s) if key else None
+        self._regions = tuple(regions)
+        self._ipc = None  # IpcReader, when this worker may read through CUDA IPC
+        self._nixl = threading.Lock()  # the transport and _active: one caller at a time
+        self._lock = threading.Lock()  # results and stats
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._stats = TransferStats()
-        self._engines: dict[tuple[str, int], dict[WorkerRank, _Peer]] = {}
-        self._regions = tuple(regions)
-        self._ipc = None  # IpcReader, when this worker may read through CUDA IPC
-        self._kernels: dict[tuple[str, int], dict] = {}  # per prefill engine read through CUDA IPC
-        self._plans: dict[str, TransferPlan] = {}
-        self._active: list[_Active] = []
-        # Prefill workers to tell over the side channel, per load: a thread of their own sends them, so that a
-        # dead peer's timeouts never hold up transfers or vLLM's step.
-        self._notes: queue.Queue[tuple[LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
-        self._notifier: threading.Thread | None = None
-        # Open side-channel connections to prefill workers, one set per thread that sends (ZMQ sockets are not
-        # thread-safe): claims from the transfer thread, notifications from the notifier.
-        timeouts = dict(timeout_s=config.handshake_timeout_s, retries=config.handshake_retries)
-        self._claims = SideChannelClient(**timeouts)
-        self._notify_client = SideChannelClient(**timeouts)
-        # IPC loads whose kernels run, in launch order (one stream: their events complete in that order).
-        self._launched: queue.Queue[_Active | None] = queue.Queue()
-        self._waiter: threading.Thread | None = None
-        self._nixl = threading.Lock()  # the transport and _active: one caller at a time
-        self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(control_threads, thread_name_prefix=f"kvbridge-control-{identity.rank}")
+        self._local = threading.local()  # each control thread's side-channel sockets
+        self._clients: list[SideChannelClient] = []
+        self.peers = PeerBook(identity, memory, config, self._pool, self._add_agent, self.sealer, self._ipc_connect)
+        self._ready: queue.Queue[_Load | None] = queue.Queue()  # claimed: to post or launch
+        self._active: list[_Load] = []  # READs posted (transfer thread)
+        self._draining: list[_Load] = []  # failed READs whose release NIXL has not accepted yet
+        self._launched: queue.Queue[_Load | None] = queue.Queue()  # kernels queued, in launch order (one stream)
+        self._notes: queue.Queue[tuple[wire.Message, LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
+        self._pending = 0  # jobs accepted and not yet reported (for tests and shutdown)
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> DecodeWorker:
         self.transport.start()
@@ -150,25 +154,43 @@ class DecodeWorker:
                 from kvbridge.transport.ipc_reader import IpcReader
 
                 self._ipc = IpcReader(self.memory, self._regions)
-                self._waiter = threading.Thread(target=self._wait_loop, name="kvbridge-ipc-wait", daemon=True)
-                self._waiter.start()
+                self._spawn(self._wait_loop, "kvbridge-ipc-wait")
             except Exception as exc:  # no Triton, no CUDA: NIXL only
                 logger.warning("kvbridge decode %s: CUDA IPC path unavailable (%s); using NIXL", self.identity, exc)
-        self._thread = threading.Thread(target=self._run, name=f"kvbridge-decode-{self.identity.rank}", daemon=True)
-        self._thread.start()
-        self._notifier = threading.Thread(target=self._notify_loop, name="kvbridge-notify", daemon=True)
-        self._notifier.start()
+        self._spawn(self._transfer_loop, f"kvbridge-decode-{self.identity.rank}")
+        self._spawn(self._notify_loop, "kvbridge-notify")
         return self
 
+    def _spawn(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # -- the engine's side ------------------------------------------------------------------------
+
     def load(self, job: LoadJob) -> None:
-        self._jobs.put(job)
+        """Queue a job (the engine's step thread); it never blocks."""
+        now = time.monotonic()
+        load = _Load(job, now, now + self.config.transfer_timeout_s)
+        if job.refused or job.source is None:
+            self._finish(load, False, job.refused or "no prefill location")
+            return
+        if not job.report:  # the request is gone here: only free the prefill side's blocks
+            self._notes.put(
+                (self._abort_message(job, "aborted before its load"), job, tuple(job.source.layout.workers()))
+            )
+            return
+        with self._lock:
+            self._pending += 1
+        future = self.peers.connect(job.source)
+        future.add_done_callback(lambda f: self._pool.submit(self._claim_step, load, f))
 
     def results(self) -> tuple[set[str], set[str], TransferStats]:
         """(ids loaded, ids that failed, stats) since the last call; failed ids are not in the loaded set.
 
         Polls the active reads too (unless the transfer thread is busy): vLLM steps continuously while a load
         is pending, so completions are seen at once even when the transfer thread is starved of CPU."""
-        if self._active and self._nixl.acquire(blocking=False):
+        if (self._active or self._draining) and self._nixl.acquire(blocking=False):
             try:
                 self._poll()
             finally:
@@ -181,110 +203,346 @@ class DecodeWorker:
 
     def reads_through_ipc(self, source: PrefillDone) -> bool:
         """Whether this worker reads `source`'s engine through CUDA IPC (after it connected to it)."""
-        return (source.remote_engine_id, source.remote_dp_rank) in self._kernels
+        return any(e.kernels and e.key[0] == source.remote_engine_id for e in self.peers.all_engines())
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
 
     def close(self) -> None:
-        self._jobs.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        threads = {t.name: t for t in self._threads}
+        self._ready.put(None)
+        if (transfer := threads.get(f"kvbridge-decode-{self.identity.rank}")) is not None:
+            transfer.join(timeout=30)
         self._launched.put(None)  # after the transfer thread: it launches no more
-        if self._waiter is not None:
-            self._waiter.join(timeout=60)
+        if (waiter := threads.get("kvbridge-ipc-wait")) is not None:
+            waiter.join(timeout=60)
         self._notes.put(None)
-        if self._notifier is not None:
-            self._notifier.join(timeout=10)
+        if (notifier := threads.get("kvbridge-notify")) is not None:
+            notifier.join(timeout=30)
+        for client in self._clients:
+            client.close()
         self.transport.close()
 
-    # -- transfer thread ---------------------------------------------------------------------------
+    # -- control threads: claim ---------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _client(self) -> SideChannelClient:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = SideChannelClient(
+                timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries, sealer=self.sealer
+            )
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def _claim_step(self, load: _Load, connected: Future[Engine], retried: bool = False) -> None:
+        """Control thread: the engine is connected (or failed); claim the request on the workers read."""
         try:
-            self._transfer_loop()
-        finally:
-            self._claims.close()  # the thread's own sockets
+            engine = connected.result()
+            load.engine = engine
+            if time.monotonic() > load.deadline:
+                raise TransferTimeout(f"not started after {self.config.transfer_timeout_s:g} s")
+            load.read_ranks = self._ranks_read(load, engine)
+            if self.config.verify_requests and load.job.remote_blocks and load.read_ranks:
+                stale = self._claim(load, engine)
+                if stale:
+                    self.peers.drop(engine, f"worker {stale} restarted (new epoch)")
+                    if retried:
+                        raise TransferError(f"prefill engine {engine.key[0]} restarted twice during one claim")
+                    self._claim_step(load, self.peers.connect(load.job.source), retried=True)
+                    return
+        except Exception as exc:
+            if not isinstance(exc, KVBridgeError):
+                logger.exception("kvbridge decode %s: claim step failed", self.identity)
+            self._fail(load, str(exc) or type(exc).__name__)
+            return
+        self._ready.put(load)
+
+    def _ranks_read(self, load: _Load, engine: Engine) -> tuple[WorkerRank, ...]:
+        """The prefill workers this worker reads from for this job (all of the plan's, if it has blocks)."""
+        if not load.job.local_blocks:
+            return ()
+        return engine.plan.peers_of(self.identity.rank)
+
+    def _claim(self, load: _Load, engine: Engine) -> WorkerRank | None:
+        """Pin the request on every worker read (all at once); RequestParamsError if one refuses. Returns a
+        worker whose epoch changed (the engine restarted: the caller handshakes again), or None."""
+        job, source = load.job, load.job.source
+        claim = wire.Claim(
+            request_id=source.remote_request_id,
+            block_ids=tuple(job.remote_blocks),
+            engine_id=self.identity.engine_id,
+            worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
+            token=source.remote_token,
+            prompt_hash=source.remote_prompt_hash,
+            read_timeout_s=max(0.0, load.deadline - time.monotonic()),
+        )
+        window = min(load.deadline, time.monotonic() + CLAIM_WINDOW_S)
+        pending = list(load.read_ranks)
+        backoff = Backoff(first_s=5e-3, cap_s=50e-3)
+        while pending:
+            answers = self._client().exchange_all([address(source, r) for r in pending], claim)
+            refused = []
+            for rank, answer in zip(pending, answers, strict=True):
+                if isinstance(answer, Exception):
+                    raise answer
+                if isinstance(answer, wire.Ack):
+                    if answer.epoch and answer.epoch != engine.peers[rank].epoch:
+                        return rank
+                    continue
+                text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
+                if not text.endswith("not_held"):  # mismatch, another reader: final
+                    raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
+                refused.append((rank, text))
+            if refused and time.monotonic() > window:
+                rank, text = refused[0]
+                raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
+            pending = [r for r, _ in refused]
+            if pending:
+                backoff.sleep()
+        return None
+
+    # -- transfer thread ----------------------------------------------------------------------------
 
     def _transfer_loop(self) -> None:
         backoff = Backoff(first_s=50e-6, cap_s=2e-3)
         while True:
+            busy = self._active or self._draining
             try:
-                job = self._jobs.get(timeout=None if not self._active else backoff.step())
+                load = self._ready.get(timeout=backoff.step() if busy else 0.5)
             except queue.Empty:
-                job = False
-            if job is None:
+                load = False
+            if load is None:
                 return
             with self._nixl:
                 try:
-                    if job:
+                    if load:
                         backoff.reset()
-                        self._start(job)
-                    else:
-                        self._poll()
-                except Exception:
-                    # A bug must not kill the thread and leave every later load hanging (_poll guards each
-                    # active load itself; this catches a job that failed before it became active).
+                        self._post(load)
+                    self._poll()
+                    self._reap()
+                except Exception:  # a bug must not kill the thread and leave every later load hanging
                     logger.exception("kvbridge decode %s: transfer thread error", self.identity)
-                    if job and not self._has(job):
-                        self._finish(job, False, "internal error in the transfer thread (see log)")
+                    if load and load not in self._active and not load.transfers:
+                        self._fail(load, "internal error in the transfer thread (see log)")
 
-    def _notify_loop(self) -> None:
-        try:
-            while (item := self._notes.get()) is not None:
-                self._notify_side_channel(*item)
-        finally:
-            self._notify_client.close()
-
-    def _has(self, job: LoadJob) -> bool:
-        return any(a.job is job for a in self._active)
-
-    def _finish(self, job: LoadJob, ok: bool, error: str = "") -> None:
-        logger.info("kvbridge decode %s: %s %s", self.identity.rank, job.request_id, "loaded" if ok else "failed")
-        if not ok:
-            logger.warning("kvbridge decode %s: load of %s failed: %s", self.identity, job.request_id, error)
-        if not job.report:
+    def _post(self, load: _Load) -> None:
+        """Post the load's READs (NIXL) or launch its kernels (CUDA IPC); failures drain what was posted."""
+        engine, job = load.engine, load.job
+        self.peers.begin(engine)
+        load.begun = True
+        if time.monotonic() > load.deadline:
+            self._drain_and_fail(load, f"not started after {self.config.transfer_timeout_s:g} s")
             return
-        with self._lock:
-            (self._done if ok else self._failed).add(job.request_id)
-            if not ok:
-                self._stats.failures += 1
-
-    def _start(self, job: LoadJob) -> None:
-        started = time.monotonic()
+        if engine.kernels is not None:
+            self._launch(load, engine)
+            return
         try:
-            peers = self._connect(job.source)
-            kernels = self._kernels.get((job.source.remote_engine_id, job.source.remote_dp_rank))
-            if kernels is not None:
-                self._start_ipc(job, peers, kernels, started)
-                return
-            plan = self._plan(job.source)
-            descs = self._descriptors(plan, peers, job)
-            if self.config.verify_requests and job.remote_blocks:
-                self._claim(job, [rank for rank, d in descs.items() if len(d)])
-            note = self._note(job)
-            reads = {rank: d for rank, d in descs.items() if len(d)}
-            transfers = [
-                self.transport.read(peers[rank].agent, d, self.memory, peers[rank].memory, note)
-                for rank, d in reads.items()
-            ]
-            posted = time.monotonic()
-            self._notes.put((job, tuple(rank for rank in peers if rank not in reads)))
+            descs = self._descriptors(load, engine)
         except KVBridgeError as exc:
-            self._forget(job.source)
-            self._finish(job, False, str(exc))
+            self._drain_and_fail(load, str(exc))
             return
-        logger.info(
-            "kvbridge decode %s: %s reading %d blocks from %d workers (%.1f ms to post)",
+        note = wire.encode(self._notify_message(job))
+        load.nbytes = sum(d.nbytes for d in descs.values())
+        load.descriptors = sum(len(d) for d in descs.values())
+        for rank, d in descs.items():
+            peer = engine.peers[rank]
+            try:
+                load.transfers.append(self.transport.read(peer.agent, d, self.memory, peer.memory, note))
+            except TransferError as exc:
+                pending = getattr(exc, "transfer", None)
+                if pending is not None:
+                    load.transfers.append(pending)
+                self._drain_and_fail(load, str(exc), broken=engine)
+                return
+        load.posted = time.monotonic()
+        others = tuple(r for r in engine.layout.workers() if r not in descs)
+        if others:
+            self._notes.put((self._notify_message(job), job, others))
+        self._active.append(load)
+
+    def _launch(self, load: _Load, engine: Engine) -> None:
+        job = load.job
+        try:
+            remote, local = job.remote_blocks, job.local_blocks
+            for rank in engine.kernels:  # arrays after the first: the later checks convert nothing
+                remote, local = block_lists(remote, local, engine.peers[rank].memory, self.memory)
+            live = engine.kernels if job.local_blocks else {}
+            load.start_event, load.event = self._ipc.launch(live, remote, local)
+        except Exception as exc:  # bad block ids, or a launch error
+            if not isinstance(exc, KVBridgeError):
+                logger.exception("kvbridge decode %s: gather kernel launch failed", self.identity)
+            # whatever was queued must finish before the blocks can be reused: wait for the stream
+            try:
+                self._ipc.stream.synchronize()
+            except Exception:
+                logger.exception("kvbridge decode %s: stream sync after a failed launch failed", self.identity)
+                return  # unknown state: keep the blocks (the request stays unreported, never reused)
+            self._drain_and_fail(load, str(exc))
+            return
+        load.nbytes = sum(k.block_bytes for k in live.values()) * len(job.local_blocks)
+        load.posted = time.monotonic()
+        self._launched.put(load)
+
+    def _poll(self) -> None:
+        still = []
+        for load in self._active:
+            try:
+                done = all(self.transport.poll(t) for t in load.transfers)
+            except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on
+                if not isinstance(exc, KVBridgeError):
+                    logger.exception("kvbridge decode %s: polling failed", self.identity)
+                self._drain_and_fail(load, str(exc), broken=load.engine)
+                continue
+            if done:
+                if self._release_all(load):
+                    self._complete(load)
+                else:  # done, but NIXL kept the handle: report once it lets go
+                    self._draining.append(load)
+            elif time.monotonic() > load.deadline:
+                self._drain_and_fail(load, f"not done after {self.config.transfer_timeout_s:g} s")
+            else:
+                still.append(load)
+        self._active = still
+        draining = []
+        for load in self._draining:
+            if self._release_all(load):
+                self._settle(load)
+            else:
+                draining.append(load)
+        self._draining = draining
+
+    def _release_all(self, load: _Load) -> bool:
+        ok = True
+        for t in load.transfers:
+            try:
+                self.transport.release(t)
+            except KVBridgeError as exc:
+                logger.debug("kvbridge decode %s: %s (retrying)", self.identity, exc)
+                ok = False
+        return ok
+
+    def _drain_and_fail(self, load: _Load, error: str, broken: Engine | None = None) -> None:
+        """Fail `load` once nothing of it can still write: READs are released first (retried if NIXL refuses)."""
+        load.error = error
+        if broken is not None and _peer_broken(error):
+            self.peers.drop(broken, error)
+        if self._release_all(load):
+            self._settle(load)
+        else:
+            logger.warning("kvbridge decode %s: %s: a READ may still write; holding its blocks", self.identity, error)
+            self._draining.append(load)
+
+    def _settle(self, load: _Load) -> None:
+        """A load whose READs are all released: report it (failed if it has an error, else done)."""
+        if load.error:
+            self._fail(load, load.error)
+        else:
+            self._complete(load)
+
+    def _reap(self) -> None:
+        for engine in self.peers.reap():
+            for peer in engine.peers.values():
+                with contextlib.suppress(KVBridgeError):
+                    self.transport.remove_peer(peer.agent)
+            engine.kernels = None  # the last reference to its IPC mappings
+
+    def _add_agent(self, metadata: bytes, name: str) -> str:
+        with self._nixl:
+            if name in self.transport.peers:  # a restarted worker under the same name: its old agent goes
+                with contextlib.suppress(KVBridgeError):
+                    self.transport.remove_peer(name)
+            return self.transport.add_peer(metadata)
+
+    def _ipc_connect(self, engine: Engine) -> dict | None:
+        if self._ipc is None:
+            return None
+        try:
+            return self._ipc.connect(
+                engine.plan, self.identity.rank, {rank: (p.memory, p.ipc) for rank, p in engine.peers.items()}
+            )
+        except KVBridgeError as exc:
+            logger.warning("kvbridge decode %s: reading %s through NIXL: %s", self.identity, engine.key[0], exc)
+            return None
+
+    def _descriptors(self, load: _Load, engine: Engine) -> dict:
+        job = load.job
+        if not job.local_blocks:
+            return {}
+        descs = worker_descriptors(
+            engine.plan,
             self.identity.rank,
-            job.request_id,
-            len(job.local_blocks),
-            len(transfers),
-            1000 * (posted - started),
+            self.memory,
+            {rank: peer.memory for rank, peer in engine.peers.items()},
+            np.asarray(job.remote_blocks, dtype=np.int64),
+            np.asarray(job.local_blocks, dtype=np.int64),
         )
-        total = sum(len(d) for d in descs.values())
-        nbytes = sum(d.nbytes for d in descs.values())
-        deadline = started + self.config.transfer_timeout_s
-        active = _Active(job, transfers, deadline, started, nbytes, total, posted=posted)
-        self._active.append(active)
-        self._poll()
+        return {rank: d for rank, d in descs.items() if len(d)}
+
+    # -- waiter: the CUDA IPC path ------------------------------------------------------------------
+
+    def _wait_loop(self) -> None:
+        """Report IPC loads as their kernels finish, sleeping in the CUDA driver meanwhile (no polling)."""
+        while (load := self._launched.get()) is not None:
+            try:
+                load.event.synchronize()  # a blocking-sync event: the thread sleeps, without the GIL
+            except Exception as exc:  # a CUDA error: the bytes are unknown; the load fails, vLLM recomputes
+                logger.exception("kvbridge decode %s: gather kernel failed", self.identity)
+                load.error = f"gather kernel failed: {exc}"
+            if load.error:
+                self._fail(load, load.error)
+                continue
+            gpu_s = None
+            with contextlib.suppress(Exception):  # a statistic: never lose this thread (and every later load) to it
+                gpu_s = load.start_event.elapsed_time(load.event) / 1e3
+            self._complete(load, gpu_s=gpu_s)
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def _complete(self, load: _Load, gpu_s: float | None = None) -> None:
+        job = load.job
+        elapsed = time.monotonic() - load.queued
+        with self._lock:
+            self._stats.transfers += 1
+            self._stats.bytes += load.nbytes
+            self._stats.descriptors += load.descriptors
+            self._stats.seconds.append(elapsed)
+            self._stats.post_seconds.append(load.posted - load.queued)
+            if gpu_s is not None:
+                self._stats.gpu_seconds.append(gpu_s)
+        self._report(load, True)
+        if load.engine is not None and load.engine.kernels is not None:  # no READ carried the notification
+            self._notes.put((self._notify_message(job), job, tuple(load.engine.layout.workers())))
+
+    def _fail(self, load: _Load, error: str) -> None:
+        logger.warning("kvbridge decode %s: load of %s failed: %s", self.identity, load.job.request_id, error)
+        with self._lock:
+            self._stats.failures += 1
+        self._report(load, False)
+        job = load.job
+        if job.source is not None and not job.refused:
+            self._notes.put((self._abort_message(job, error[:200]), job, tuple(job.source.layout.workers())))
+
+    def _finish(self, load: _Load, ok: bool, error: str = "") -> None:
+        """A job that never got going (refused by the scheduler): report it at once."""
+        logger.warning("kvbridge decode %s: load of %s refused: %s", self.identity, load.job.request_id, error)
+        with self._lock:
+            self._pending += 1
+            self._stats.failures += 0 if ok else 1
+        self._report(load, ok)
+
+    def _report(self, load: _Load, ok: bool) -> None:
+        if load.begun:
+            self.peers.end(load.engine)
+        with self._lock:
+            self._pending -= 1
+            if load.job.report:
+                (self._done if ok else self._failed).add(load.job.request_id)
+
+    # -- notifier -----------------------------------------------------------------------------------
 
     def _notify_message(self, job: LoadJob) -> wire.Notify:
         """What every prefill worker of the engine receives once this worker is done with the request."""
@@ -293,216 +551,45 @@ class DecodeWorker:
             engine_id=self.identity.engine_id,
             worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
             expected=self.identity.layout.workers_per_engine,
+            token=job.source.remote_token,
         )
 
-    def _note(self, job: LoadJob) -> bytes:
-        return wire.encode(self._notify_message(job))
-
-    def _notify_side_channel(self, job: LoadJob, ranks: tuple[WorkerRank, ...]) -> None:
-        """Tell prefill workers that no READ notifies (those read through CUDA IPC, those with nothing to read)
-        over the side channel, acknowledged. A worker that does not answer frees the blocks when its lease
-        expires; the load itself is not affected."""
-        source, message = job.source, self._notify_message(job)
-        try:
-            answers = self._notify_client.exchange_all([_address(source, r) for r in ranks], message)
-        except Exception as exc:  # never lose the thread over a notification
-            answers = [exc] * len(ranks)
-        for rank, answer in zip(ranks, answers, strict=True):
-            if not isinstance(answer, wire.Ack):
-                logger.warning("kvbridge decode %s: prefill worker %s not notified: %s", self.identity, rank, answer)
-
-    def _start_ipc(self, job: LoadJob, peers: dict[WorkerRank, _Peer], kernels: dict, started: float) -> None:
-        """The CUDA IPC path: check the blocks, launch, claim while the kernel runs; the waiter thread reports."""
-        try:
-            remote, local = job.remote_blocks, job.local_blocks
-            for rank in kernels:  # arrays after the first: the later checks convert nothing
-                remote, local = block_lists(remote, local, peers[rank].memory, self.memory)
-            live = kernels if job.local_blocks else {}
-            start_event, event = self._ipc.launch(live, remote, local)
-        except Exception as exc:  # bad block ids, or a launch error: nothing may still write our blocks
-            if not isinstance(exc, KVBridgeError):
-                logger.exception("kvbridge decode %s: gather kernel launch failed", self.identity)
-                with contextlib.suppress(Exception):
-                    self._ipc.stream.synchronize()
-            self._forget(job.source)
-            self._finish(job, False, str(exc))
-            return
-        nbytes = sum(k.block_bytes for k in live.values()) * len(job.local_blocks)
-        deadline = started + self.config.transfer_timeout_s
-        active = _Active(job, [], deadline, started, nbytes, 0, event, start_event, posted=time.monotonic())
-        if self.config.verify_requests and job.remote_blocks:
-            try:
-                self._claim(job, list(kernels))
-            except Exception as exc:  # reported once the kernel is done: it still writes our blocks
-                active.error = str(exc) if isinstance(exc, KVBridgeError) else f"claim failed: {exc!r}"
-        self._launched.put(active)
-
-    def _wait_loop(self) -> None:
-        """Report IPC loads as their kernels finish, sleeping in the CUDA driver meanwhile (no polling)."""
-        while (active := self._launched.get()) is not None:
-            try:
-                active.event.synchronize()  # a blocking-sync event: the thread sleeps, without the GIL
-            except Exception as exc:  # a CUDA error: the bytes are unknown; the load fails, vLLM recomputes
-                logger.exception("kvbridge decode %s: gather kernel failed", self.identity)
-                active.error = active.error or f"gather kernel failed: {exc}"
-            if active.error:
-                self._finish(active.job, False, active.error)
-                continue  # the claim failed: the prefill side does not hold the request
-            gpu_s = None
-            with contextlib.suppress(Exception):  # a statistic: never lose this thread (and every later load) to it
-                gpu_s = active.start_event.elapsed_time(active.event) / 1e3
-            self._complete(active, gpu_s=gpu_s)
-            self._notes.put((active.job, tuple(active.job.source.layout.workers())))  # after the report
-
-    def _poll(self) -> None:
-        still = []
-        for active in self._active:
-            try:
-                done = all(self.transport.poll(t) for t in active.transfers)
-            except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on
-                if not isinstance(exc, KVBridgeError):
-                    logger.exception("kvbridge decode %s: polling failed", self.identity)
-                self._release(active)
-                self._forget(active.job.source)
-                self._finish(active.job, False, str(exc))
-                continue
-            if done:
-                self._release(active)
-                self._complete(active)
-            elif time.monotonic() > active.deadline:
-                self._release(active)
-                self._finish(active.job, False, f"not done after {self.config.transfer_timeout_s} s")
-            else:
-                still.append(active)
-        self._active = still
-
-    def _complete(self, active: _Active, gpu_s: float | None = None) -> None:
-        elapsed = time.monotonic() - active.started
-        with self._lock:
-            self._stats.transfers += 1
-            self._stats.bytes += active.nbytes
-            self._stats.descriptors += active.descriptors
-            self._stats.seconds.append(elapsed)
-            self._stats.post_seconds.append(active.posted - active.started)
-            if gpu_s is not None:
-                self._stats.gpu_seconds.append(gpu_s)
-        self._finish(active.job, True)
-
-    def _release(self, active: _Active) -> None:
-        for t in active.transfers:
-            try:
-                self.transport.release(t)
-            except KVBridgeError as exc:
-                logger.warning("kvbridge decode %s: %s", self.identity, exc)
-
-    def _connect(self, source: PrefillDone) -> dict[WorkerRank, _Peer]:
-        key = (source.remote_engine_id, source.remote_dp_rank)
-        if key in self._engines:
-            return self._engines[key]
-        layout = source.layout
-        ident = self.identity
-        peers = {}
-        for rank in layout.workers():
-            request = wire.HandshakeRequest.build(
-                ident.engine_id,
-                ident.layout,
-                ident.dp_rank,
-                ident.rank,
-                ident.geometry,
-                ident.kv_layout,
-                self.memory,
-                target=(source.remote_dp_rank, rank),
-            )
-            reply = fetch_handshake(
-                *_address(source, rank),
-                request,
-                timeout_s=self.config.handshake_timeout_s,
-                retries=self.config.handshake_retries,
-            )
-            same_host = reply.host_id == host_id()
-            agent = self.transport.add_peer(reply.agent_metadata)
-            ipc = tuple(h.to_core() for h in reply.ipc)
-            peers[rank] = _Peer(agent, reply.memory.to_core(), same_host, ipc)
-        self._engines[key] = peers
-        path = "NIXL"
-        if self._ipc is not None and all(p.same_host and p.ipc for p in peers.values()):
-            try:
-                plan = self._plan(source)
-                self._kernels[key] = self._ipc.connect(
-                    plan, ident.rank, {rank: (p.memory, p.ipc) for rank, p in peers.items()}
-                )
-                path = f"CUDA IPC + gather kernel on {self._ipc.device}"
-            except KVBridgeError as exc:
-                logger.warning("kvbridge decode %s: reading %s through NIXL: %s", ident, source.remote_engine_id, exc)
-        logger.info(
-            "kvbridge decode %s connected to %d workers of %s at %s (%s; %s; UCX_TLS=%s)",
-            ident,
-            len(peers),
-            source.remote_engine_id,
-            source.remote_host,
-            "same host: shared memory/CMA usable" if same_host else "another host: network transports only",
-            path,
-            self.transport.ucx_env.get("UCX_TLS", "UCX default"),
-        )
-        return peers
-
-    def _claim(self, job: LoadJob, ranks: list[WorkerRank]) -> None:
-        """Make sure every prefill worker we read from still holds the request with these blocks.
-
-        The prefill side learns of a hold one engine step after the client got its kv_transfer_params, so a
-        refusal is retried for a short while before it counts."""
-        source = job.source
-        claim = wire.Claim(
-            request_id=source.remote_request_id,
-            block_ids=tuple(job.remote_blocks),
+    def _abort_message(self, job: LoadJob, reason: str) -> wire.Abort:
+        return wire.Abort(
+            request_id=job.source.remote_request_id,
             engine_id=self.identity.engine_id,
             worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
-        )
-        deadline = time.monotonic() + 2.0
-        pending = list(ranks)
-        while pending:  # all at once: one round trip per attempt, however many workers
-            answers = self._claims.exchange_all([_address(source, r) for r in pending], claim)
-            for answer in answers:
-                if isinstance(answer, Exception):  # no answer, or not a message: as exchange would raise
-                    raise answer
-            refused = [(r, a) for r, a in zip(pending, answers, strict=True) if not isinstance(a, wire.Ack)]
-            if refused and time.monotonic() > deadline:
-                rank, answer = refused[0]
-                text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
-                raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
-            pending = [r for r, _ in refused]
-            if pending:
-                time.sleep(0.02)
-
-    def _forget(self, source: PrefillDone) -> None:
-        """Drop a prefill engine's cached connection after a failure, so the next request handshakes again
-        (a restarted prefill instance has new agents and memory)."""
-        self._kernels.pop((source.remote_engine_id, source.remote_dp_rank), None)
-        peers = self._engines.pop((source.remote_engine_id, source.remote_dp_rank), None)
-        for peer in (peers or {}).values():
-            with contextlib.suppress(KVBridgeError):
-                self.transport.remove_peer(peer.agent)
-
-    def _plan(self, source: PrefillDone) -> TransferPlan:
-        plan = self._plans.get(source.remote_layout)
-        if plan is None:
-            plan = make_plan(source.layout, self.identity.layout, self.identity.geometry)
-            self._plans[source.remote_layout] = plan
-        return plan
-
-    def _descriptors(self, plan: TransferPlan, peers: dict[WorkerRank, _Peer], job: LoadJob) -> dict:
-        if not job.local_blocks:
-            return {}
-        return worker_descriptors(
-            plan,
-            self.identity.rank,
-            self.memory,
-            {rank: peer.memory for rank, peer in peers.items()},
-            np.asarray(job.remote_blocks, dtype=np.int64),
-            np.asarray(job.local_blocks, dtype=np.int64),
+            reason=reason,
+            token=job.source.remote_token,
         )
 
+    def _notify_loop(self) -> None:
+        client = SideChannelClient(
+            timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries, sealer=self.sealer
+        )
+        try:
+            while (item := self._notes.get()) is not None:
+                message, job, ranks = item
+                if self.peers.is_dead(job.source):  # its lease frees the blocks; a dead peer would hold us up
+                    continue
+                try:
+                    answers = client.exchange_all([address(job.source, r) for r in ranks], message)
+                except Exception as exc:  # never lose the thread over a notification
+                    answers = [exc] * len(ranks)
+                for rank, answer in zip(ranks, answers, strict=True):
+                    if not isinstance(answer, wire.Ack):
+                        logger.warning(
+                            "kvbridge decode %s: prefill worker %s did not take %s: %s",
+                            self.identity,
+                            rank,
+                            type(message).__name__,
+                            answer,
+                        )
+        finally:
+            client.close()
 
-def _address(source: PrefillDone, rank: WorkerRank) -> tuple[str, int]:
-    """(host, port) of the side channel of worker `rank` of the prefill engine that `source` names."""
-    return source.remote_host, side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
+
+def _peer_broken(error: str) -> bool:
+    """Whether an error says the peer itself is gone (not just this request's blocks or claim)."""
+    text = error.lower()
+    return any(word in text for word in ("disconnect", "remote", "connection", "unreachable", "peer"))

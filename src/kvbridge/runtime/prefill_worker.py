@@ -5,11 +5,16 @@ notifications, which also lets readers' UCX connections complete, and turning co
 finished ids) runs under one lock, from two places: a background thread that polls with backoff, and the
 engine's step thread each time it asks for finished ids. vLLM steps continuously while requests are held, and on
 a loaded machine a background thread can starve for seconds; the step path then keeps transfers moving.
+
+Every structure the threads share (the lease book, the finished ids) is touched under `_lock` only; the lease
+book itself is pure (`core.leases`): claims pin a request for its reader, and claims, notifications and aborts
+must carry the request's token. With a deployment key the side channel answers only sealed messages.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -22,6 +27,7 @@ from kvbridge.core.memory import WorkerMemory
 from kvbridge.runtime.host import host_id
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportConfig
 from kvbridge.wire import messages as wire
+from kvbridge.wire.auth import Sealer
 from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
 
 if TYPE_CHECKING:
@@ -39,9 +45,11 @@ class PrefillWorker:
         mem_type: MemType = "DRAM",
         clock=time.monotonic,
         ipc: tuple[IpcHandle, ...] = (),
+        key: bytes | None = None,
     ) -> None:
         """`ipc`: CUDA IPC handles of `memory`'s regions (`cuda_ipc.export_region`), published in the handshake
-        so that decode workers on this host can read with a GPU kernel instead of NIXL."""
+        so that decode workers on this host can read with a GPU kernel instead of NIXL. `key`: the deployment key
+        (`wire.auth.load_key`); without one the side channel must listen on loopback (ConfigError otherwise)."""
         self.identity = identity
         self.ipc = ipc
         self.memory = memory
@@ -50,12 +58,11 @@ class PrefillWorker:
         self.clock = clock
         self.port = side_channel_port(config.side_channel_port, identity.layout, identity.dp_rank, identity.rank)
         self.transport = NixlTransport(identity.agent_name, transport_config(config, mem_type))
-        self._leases = LeaseBook(config.lease_s)
+        self.key = key
+        self.epoch = secrets.token_hex(8)
+        self._leases = LeaseBook(config.lease_s)  # under _lock
         self._lock = threading.Lock()
-        self._to_hold: list[str] = []
-        self._held: dict[str, frozenset[int]] = {}  # what claims are checked against (under _lock)
         self._finished: set[str] = set()
-        self._side_notes: list[wire.Notify] = []  # notifications that came over the side channel (CUDA IPC readers)
         self._expired_new = 0
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
         self._backoff = Backoff(first_s=100e-6, cap_s=5e-3)
@@ -65,6 +72,11 @@ class PrefillWorker:
         self._server: SideChannelServer | None = None
 
     def start(self) -> PrefillWorker:
+        if not self.config.check_exposure(self.key is not None):
+            _warn_once(
+                "kvbridge: no auth key: the side channel accepts any local process (set auth_key_file in "
+                "kv_connector_extra_config to authenticate peers)"
+            )
         self.transport.start()
         self.transport.register(self.memory, self.mem_type)
         ident = self.identity
@@ -80,9 +92,11 @@ class PrefillWorker:
             self.memory,
             host_id=host_id(),
             ipc=self.ipc,
+            epoch=self.epoch,
         )
+        sealer = Sealer(self.key, window_s=self.config.auth_window_s) if self.key else None
         self._server = SideChannelServer(
-            self.port, handshake_handler(reply, self._answer), host=self.config.side_channel_host
+            self.port, handshake_handler(reply, self._answer), host=self.config.side_channel_host, sealer=sealer
         )
         self._server.start()
         self._thread = threading.Thread(target=self._run, name=f"kvbridge-prefill-{ident.rank}", daemon=True)
@@ -90,36 +104,47 @@ class PrefillWorker:
         logger.info("kvbridge prefill worker %s serving handshakes on port %d", ident, self.port)
         return self
 
-    def hold(self, request_id: str, block_ids: tuple[int, ...] = ()) -> None:
-        """Keep `request_id`'s blocks until its readers are done or its lease expires."""
+    def hold(self, request_id: str, block_ids: tuple[int, ...] = (), token: str = "", prompt_hash: str = "") -> None:
+        """Keep `request_id`'s blocks until its readers are done, it is aborted, or its lease expires."""
         with self._lock:
-            self._to_hold.append(request_id)
-            self._held[request_id] = frozenset(block_ids)
+            self._leases.hold(request_id, self.clock(), token, prompt_hash, block_ids)
         self._wake.set()
 
     def _answer(self, message: wire.Message) -> wire.Message:
-        """Side-channel messages other than handshakes (runs on the side-channel thread, no NIXL calls)."""
+        """Side-channel messages other than handshakes (runs on the side-channel thread, no NIXL calls).
+        Refusals say one word, and nothing at all of a request to a peer without its token."""
+        now = self.clock()
         match message:
-            case wire.Claim(request_id=request_id, block_ids=blocks):
+            case wire.Claim():
                 with self._lock:
-                    held = self._held.get(request_id)
-                if held is None:
-                    return wire.ErrorReply(
-                        message=f"request {request_id} is not held by {self.identity} (unknown, already read, "
-                        "or its lease expired)"
+                    refused = self._leases.claim(
+                        message.request_id,
+                        message.token,
+                        message.prompt_hash,
+                        message.block_ids,
+                        message.engine_id,
+                        message.read_timeout_s or self.config.transfer_timeout_s,
+                        now,
                     )
-                stray = sorted(set(blocks) - held)
-                if stray:
-                    return wire.ErrorReply(message=f"blocks {stray[:8]} are not request {request_id}'s")
-                return wire.Ack(request_id=request_id)
-            case wire.Notify(request_id=request_id):
+                if refused:
+                    return wire.ErrorReply(message=f"claim refused: {refused}")
+                return wire.Ack(request_id=message.request_id, epoch=self.epoch)
+            case wire.Notify():
                 # Readers that copied through CUDA IPC made no NIXL transfer to carry their notification.
                 with self._lock:
-                    self._side_notes.append(message)
+                    taken = self._take_note(message, now)
                 self._wake.set()
-                return wire.Ack(request_id=request_id)
+                return wire.Ack(request_id=message.request_id, epoch=self.epoch) if taken else _REFUSED
+            case wire.Abort():
+                with self._lock:
+                    taken = self._leases.abort(message.request_id, message.token)
+                self._wake.set()
+                return wire.Ack(request_id=message.request_id, epoch=self.epoch) if taken else _REFUSED
             case _:
                 return wire.ErrorReply(message=f"unexpected {type(message).__name__}")
+
+    def _take_note(self, msg: wire.Notify, now: float) -> bool:
+        return self._leases.notified(msg.request_id, msg.token, msg.engine_id, str(msg.worker), msg.expected, now)
 
     def finished(self) -> tuple[set[str], int]:
         """(ids whose blocks may be freed now, leases expired since the last call). Makes progress too, unless
@@ -153,28 +178,25 @@ class PrefillWorker:
                 except Exception:  # keep serving: leases still expire on later rounds
                     logger.exception("kvbridge prefill %s: progress error", self.identity)
                     active = False
+            with self._lock:
+                held = self._leases.held
             if active:
                 self._backoff.reset()
             # Wait for work; poll quickly while requests are held (readers need our progress).
-            delay = self._backoff.step() if self._leases.held else 0.05
+            delay = self._backoff.step() if held else 0.05
             self._wake.wait(delay)
             self._wake.clear()
 
     def _progress(self) -> bool:
         """One round of holds, notifications and lease accounting; True if anything happened."""
-        now = self.clock()
         active = False
-        with self._lock:
-            holds, self._to_hold = self._to_hold, []
-            side_notes, self._side_notes = self._side_notes, []
-        for request_id in holds:
-            self._leases.hold(request_id, now)
-            active = True
         try:
             notes = self.transport.notifications()
         except TransferError as exc:
             logger.warning("kvbridge prefill %s: %s", self.identity, exc)
             notes = {}
+        now = self.clock()
+        decoded = []
         for agent, messages in notes.items():
             for raw in messages:
                 active = True
@@ -184,20 +206,40 @@ class PrefillWorker:
                     logger.warning("kvbridge prefill %s: bad notification from %s: %s", self.identity, agent, exc)
                     continue
                 if isinstance(msg, wire.Notify):
-                    self._leases.notified(msg.request_id, f"{msg.engine_id}/{msg.worker}", msg.expected, now)
-        for msg in side_notes:
-            active = True
-            self._leases.notified(msg.request_id, f"{msg.engine_id}/{msg.worker}", msg.expected, now)
-        done, expired = self._leases.due(now)
+                    decoded.append(msg)
+        with self._lock:
+            for msg in decoded:
+                self._take_note(msg, now)
+            done, expired = self._leases.due(now)
+            self._finished |= done | expired
+            self._expired_new += len(expired)
         if expired:
             logger.warning("kvbridge prefill %s: lease expired for %s", self.identity, sorted(expired))
-        if done or expired:
-            with self._lock:
-                for request_id in done | expired:
-                    self._held.pop(request_id, None)
-                self._finished |= done | expired
-                self._expired_new += len(expired)
-        return active
+        return active or bool(done or expired)
+
+    def lease_counts(self) -> dict[str, int]:
+        """Totals for metrics and tests: completed, expired, aborted, refused (claims/notes/aborts)."""
+        sealer = self._server.sealer if self._server else None
+        with self._lock:
+            book = self._leases
+            return {
+                "held": book.held,
+                "completed": book.completed_total,
+                "expired": book.expired_total,
+                "aborted": book.aborted_total,
+                "refused": book.refused_total,
+                "unauthenticated": sum(sealer.dropped.values()) if sealer else 0,
+            }
+
+
+_REFUSED = wire.ErrorReply(message="refused")
+_warned: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        logger.warning(text)
 
 
 def transport_config(config: BridgeConfig, mem_type: MemType) -> TransportConfig:

@@ -370,12 +370,14 @@ class NixlTransport:
         try:
             status = agent.transfer(xfer)
         except Exception as exc:
-            self._discard(transfer)
+            error = _nixl_error(f"posting a READ from {peer!r}", exc)
+            self._discard(transfer, error)
             self._drain()  # let UCX process the endpoint failure now (see close())
-            raise _nixl_error(f"posting a READ from {peer!r}", exc) from exc
+            raise error from exc
         if status == "ERR":
-            self._discard(transfer)
-            raise TransferError(f"NIXL refused to post a READ from {peer!r}")
+            error = TransferError(f"NIXL refused to post a READ from {peer!r}")
+            self._discard(transfer, error)
+            raise error
         if status == "DONE":
             transfer.state = "DONE"
         return transfer
@@ -434,11 +436,14 @@ class NixlTransport:
         transfer.state = "RELEASED"
         self._transfers.discard(transfer)
 
-    def _discard(self, transfer: Transfer) -> None:
+    def _discard(self, transfer: Transfer, error: TransferError) -> None:
+        """Release a READ that failed to post; if NIXL will not let go of it, `error.transfer` is it (the caller
+        must keep its memory until a later release succeeds: a status error does not mean the DMA stopped)."""
         try:
             self.release(transfer)
         except TransferError as exc:
             logger.warning("%s", exc)
+            error.transfer = transfer
 
     def notifications(self) -> dict[str, list[bytes]]:
         """New notifications by peer agent name; progresses UCX. A target polls this (with backoff) while it

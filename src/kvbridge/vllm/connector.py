@@ -115,7 +115,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
-        return self._worker.take_stats() if self._worker is not None else None
+        part = self._worker if self._worker is not None else self._scheduler
+        return part.take_stats() if part is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -17,5 +17,5 @@ class KVBridgeMetadata(KVConnectorMetadata):
     releases: list[LoadJob] = field(default_factory=list)
     """Decode side: requests gone before they read (aborted): only tell the prefill side to free."""
 
-    holds: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
-    """Prefill side: finished requests (id, block ids) whose blocks stay held for decode readers."""
+    holds: list[tuple[str, tuple[int, ...], str, str]] = field(default_factory=list)
+    """Prefill side: finished requests (id, block ids, token, prompt hash) whose blocks stay held for readers."""

@@ -1,21 +1,36 @@
 """The scheduler-side half of the connector (vLLM's engine-core process): request bookkeeping only.
 
-Decode role: accept a prefill instance's kv_transfer_params (or fall back to a local prefill when they are
-bad), ask vLLM for blocks, and queue one load per request for the workers. Prefill role: when a request
-asked for remote decode finishes, keep its blocks and answer with where they are.
+Decode role: accept a prefill instance's kv_transfer_params only for the prompt they were computed for (and,
+with a deployment key, only as the prefill signed them, unexpired, once), before anything is connected or
+allocated; otherwise prefill locally (kv_load_failure_policy=recompute) or fail the request at once without any
+read (fail), and count why. Then ask vLLM for blocks and queue one load per request for the workers. Prefill
+role: when a request asked for remote decode finishes, keep its blocks and answer with where they are, bound to
+the prompt, with a secret token for the reader, signed.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.errors import RequestParamsError
+from kvbridge.core.errors import ParamsRefused, RequestParamsError
 from kvbridge.runtime.decode_worker import LoadJob
 from kvbridge.vllm.metadata import KVBridgeMetadata
+from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import advertised_host, engine_layout
-from kvbridge.wire.params import PrefillDone, parse_prefill_done, wants_remote_decode, wants_remote_prefill
+from kvbridge.wire.auth import load_key
+from kvbridge.wire.params import (
+    PrefillDone,
+    check_binding,
+    parse_prefill_done,
+    prompt_hash,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -23,6 +38,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+MAX_SEEN = 65536
+"""Params remembered as used (a replay is refused); the oldest are forgotten first, and each after it expires."""
 
 
 class SchedulerSide:
@@ -34,14 +52,23 @@ class SchedulerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.is_producer = bool(kv.is_kv_producer)
         self.is_consumer = bool(kv.is_kv_consumer)
+        config.check_role(self.is_producer, self.is_consumer)
+        self.key = load_key(config.auth_key, config.auth_key_file)
+        if self.is_producer:
+            config.check_exposure(self.key is not None)  # refuses a non-loopback side channel without a key
+        self.fail_refused = getattr(kv, "kv_load_failure_policy", "fail") == "fail"
         self.host = advertised_host(config)
         self._meta = KVBridgeMetadata()
         self._sources: dict[str, PrefillDone] = {}  # parsed once per request, between match and alloc
+        self._refused: dict[str, ParamsRefused] = {}  # under policy fail: requests to fail without a read
+        self._seen: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self._stats = KVBridgeStats()
 
     # -- decode role ---------------------------------------------------------------------------------
 
     def _source(self, request: Request) -> PrefillDone | None:
-        """The request's validated prefill location, or None (then it is prefilled locally)."""
+        """The request's validated prefill location, or None (then it is prefilled locally, or, under policy
+        fail, `_refused` holds why it fails)."""
         params = request.kv_transfer_params
         if not (self.is_consumer and wants_remote_prefill(params)):
             return None
@@ -50,31 +77,66 @@ class SchedulerSide:
             return cached
         try:
             source = parse_prefill_done(params)
+            self._check(request, source)
         except RequestParamsError as exc:
-            logger.warning("kvbridge: request %s prefills locally: %s", request.request_id, exc)
-            params["do_remote_prefill"] = False
-            return None
-        needed = -(-len(request.prompt_token_ids or ()) // self.block_size)
-        if len(source.remote_block_ids) < needed:
+            reason = exc.reason if isinstance(exc, ParamsRefused) else "malformed"
+            self._stats.record_rejected(reason)
+            fail = self.fail_refused and isinstance(exc, ParamsRefused)
             logger.warning(
-                "kvbridge: request %s prefills locally: remote_block_ids has %d blocks, the prompt needs %d",
-                request.request_id,
-                len(source.remote_block_ids),
-                needed,
+                "kvbridge: request %s %s: %s", request.request_id, "fails" if fail else "prefills locally", exc
             )
+            if fail:
+                self._refused[request.request_id] = exc
+                return None
             params["do_remote_prefill"] = False
             return None
+        key = (source.remote_engine_id, source.remote_request_id)
+        self._seen[key] = (request.request_id, source.remote_expires or time.time() + 2 * self.config.lease_s)
+        while len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
         self._sources[request.request_id] = source
         return source
 
+    def _check(self, request: Request, source: PrefillDone) -> None:
+        """Everything that can be known before a connection: the params are this prompt's, signed, fresh, used
+        once, with sane sizes (ParamsRefused otherwise)."""
+        now = time.time()
+        if self.config.check_prompt:
+            check_binding(
+                source,
+                request.prompt_token_ids or (),
+                key=self.key,
+                now=now,
+                max_workers=self.config.max_remote_workers,
+                window_s=self.config.auth_window_s,
+            )
+        while self._seen and next(iter(self._seen.values()))[1] + self.config.auth_window_s < now:
+            self._seen.popitem(last=False)
+        seen = self._seen.get((source.remote_engine_id, source.remote_request_id))
+        if seen is not None and seen[0] != request.request_id:
+            raise ParamsRefused("replayed", f"kv_transfer_params of {source.remote_request_id} were used already")
+        needed = -(-len(request.prompt_token_ids or ()) // self.block_size)
+        if not needed <= len(source.remote_block_ids) <= needed + 1:
+            raise ParamsRefused(
+                "blocks", f"remote_block_ids has {len(source.remote_block_ids)} blocks, the prompt needs {needed}"
+            )
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if self._source(request) is None:
+            if request.request_id in self._refused:  # policy fail: a load that fails at once, reading nothing
+                count = len(request.prompt_token_ids or ()) - num_computed_tokens
+                return (count, True) if count > 0 else (0, False)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
+            return
+        refused = self._refused.pop(request.request_id, None)
+        if refused is not None:
+            request.kv_transfer_params["do_remote_prefill"] = False
+            self._meta.loads.append(LoadJob(request.request_id, None, (), (), refused=str(refused)))
             return
         source = self._source(request)
         if source is None:
@@ -95,6 +157,12 @@ class SchedulerSide:
         meta, self._meta = self._meta, KVBridgeMetadata()
         return meta
 
+    def take_stats(self) -> KVBridgeStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KVBridgeStats()
+        return out
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -103,6 +171,7 @@ class SchedulerSide:
             # Finished (aborted) before its load was scheduled: the prefill side still holds the blocks.
             source = self._source(request)
             self._sources.pop(request.request_id, None)
+            self._refused.pop(request.request_id, None)
             params["do_remote_prefill"] = False
             if source is not None:
                 self._meta.releases.append(LoadJob(request.request_id, source, (), (), report=False))
@@ -111,8 +180,9 @@ class SchedulerSide:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
-        if not block_ids:
-            return False, None
+        prompt = request.prompt_token_ids
+        if not block_ids or prompt is None or request.num_computed_tokens < len(prompt):
+            return False, None  # nothing held, or no token ids to bind the KV to (prompt embeddings)
         done = PrefillDone(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
@@ -121,9 +191,14 @@ class SchedulerSide:
             remote_port=self.config.side_channel_port,
             remote_dp_rank=self.dp_rank,
             remote_layout=str(self.layout),
-            remote_num_tokens=request.num_computed_tokens,
+            remote_num_tokens=len(prompt),
             tp_size=self.layout.tp,
             pp_size=self.layout.pp,
+            remote_prompt_hash=prompt_hash(prompt),
+            remote_token=secrets.token_hex(16),
+            remote_expires=round(time.time() + self.config.lease_s, 3),
         )
-        self._meta.holds.append((request.request_id, tuple(block_ids)))
+        if self.key is not None:
+            done = done.signed(self.key)
+        self._meta.holds.append((request.request_id, tuple(block_ids), done.remote_token, done.remote_prompt_hash))
         return True, done.to_dict()

@@ -10,14 +10,15 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvbridge.runtime.decode_worker import TransferStats
 
-_COUNTERS = ("transfers", "failures", "bytes", "descriptors", "expired_leases")
+_COUNTERS = ("transfers", "failures", "bytes", "descriptors", "expired_leases", "aborted_leases", "refused_messages")
+_REASONS = "rejected_params"  # {reason: count}: kv_transfer_params refused before any load (scheduler side)
 
 
 _LISTS = ("seconds", "post_seconds")  # per load: to completion, and to the READs posted (kernels queued)
 
 
 def _empty() -> dict[str, Any]:
-    return {**dict.fromkeys(_COUNTERS, 0), **{key: [] for key in _LISTS}}
+    return {**dict.fromkeys(_COUNTERS, 0), **{key: [] for key in _LISTS}, _REASONS: {}}
 
 
 @dataclass
@@ -35,6 +36,14 @@ class KVBridgeStats(KVConnectorStats):
     def record_expired(self, count: int) -> None:
         self.data["expired_leases"] += count
 
+    def record_leases(self, aborted: int, refused: int) -> None:
+        self.data["aborted_leases"] += aborted
+        self.data["refused_messages"] += refused
+
+    def record_rejected(self, reason: str) -> None:
+        reasons = self.data.setdefault(_REASONS, {})
+        reasons[reason] = reasons.get(reason, 0) + 1
+
     def reset(self) -> None:
         self.data = _empty()
 
@@ -43,6 +52,10 @@ class KVBridgeStats(KVConnectorStats):
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
         for key in _LISTS:
             self.data[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
+        merged = dict(self.data.get(_REASONS, {}))
+        for reason, count in other.data.get(_REASONS, {}).items():
+            merged[reason] = merged.get(reason, 0) + count
+        self.data[_REASONS] = merged
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -57,10 +70,12 @@ class KVBridgeStats(KVConnectorStats):
         posts = self.data.get("post_seconds", [])
         if posts:
             out["avg_post_ms"] = round(1000 * sum(posts) / len(posts), 3)
+        for reason, count in sorted(self.data.get(_REASONS, {}).items()):
+            out[f"rejected_params[{reason}]"] = count
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in _COUNTERS)
+        return not any(self.data.get(key) for key in _COUNTERS) and not self.data.get(_REASONS)
 
 
 _PROM_COUNTERS = {
@@ -69,6 +84,8 @@ _PROM_COUNTERS = {
     "descriptors": "NIXL descriptors posted for those reads (after coalescing).",
     "failures": "Loads that failed (handshake, transfer or timeout) and followed kv_load_failure_policy.",
     "expired_leases": "Prefill requests whose blocks were freed because their lease expired before all readers.",
+    "aborted_leases": "Prefill requests freed at once because their reader (or the proxy) aborted the read.",
+    "refused_messages": "Claims, notifications and aborts refused: no such held request, or a wrong token.",
 }
 
 
@@ -97,6 +114,13 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             ),
             per_engine_labelvalues,
         )
+        self._rejected = self._counter_cls(
+            name="vllm:kvbridge_rejected_params_total",
+            documentation="kv_transfer_params refused before any connection or read, by reason (the request was "
+            "prefilled locally, or failed under kv_load_failure_policy=fail).",
+            labelnames=[*labelnames, "reason"],
+        )
+        self._engine_labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, metric in self.counters.items():
@@ -105,3 +129,5 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 metric[engine_idx].inc(value)
         for seconds in transfer_stats_data.get("seconds", ()):
             self.seconds[engine_idx].observe(seconds)
+        for reason, count in transfer_stats_data.get(_REASONS, {}).items():
+            self._rejected.labels(*self._engine_labels[engine_idx], reason).inc(count)

@@ -17,6 +17,7 @@ from kvbridge.transport.torch_memory import memory_from_tensors, physical_order,
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import engine_layout, geometry, worker_rank
+from kvbridge.wire.auth import load_key
 
 if TYPE_CHECKING:
     import torch
@@ -45,9 +46,11 @@ class WorkerSide:
         self.engine_id = str(kv.engine_id)
         self.is_producer = bool(kv.is_kv_producer)
         self.is_consumer = bool(kv.is_kv_consumer)
+        self.key = load_key(config.auth_key, config.auth_key_file)
         self.prefill: PrefillWorker | None = None
         self.decode: DecodeWorker | None = None
         self.stats = KVBridgeStats()
+        self._aborted = self._refused = 0  # prefill lease totals already recorded
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -75,17 +78,17 @@ class WorkerSide:
         regions = region_tensors(kv_caches, memory)
         if self.is_producer:
             ipc = share_regions(regions) if first.is_cuda and self.config.gpu_peer_copy == "auto" else ()
-            self.prefill = PrefillWorker(identity, memory, self.config, mem_type, ipc=ipc).start()
+            self.prefill = PrefillWorker(identity, memory, self.config, mem_type, ipc=ipc, key=self.key).start()
         if self.is_consumer:
-            self.decode = DecodeWorker(identity, memory, self.config, mem_type, regions).start()
+            self.decode = DecodeWorker(identity, memory, self.config, mem_type, regions, key=self.key).start()
 
     def start_load_kv(self, meta: KVBridgeMetadata) -> None:
         if self.decode is not None:
             for job in (*meta.loads, *meta.releases):
                 self.decode.load(job)
         if self.prefill is not None:
-            for request_id, block_ids in meta.holds:
-                self.prefill.hold(request_id, block_ids)
+            for request_id, block_ids, token, phash in meta.holds:
+                self.prefill.hold(request_id, block_ids, token, phash)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets."""
@@ -95,6 +98,9 @@ class WorkerSide:
         if self.prefill is not None:
             sending, expired = self.prefill.finished()
             self.stats.record_expired(expired)
+            counts = self.prefill.lease_counts()
+            self.stats.record_leases(counts["aborted"] - self._aborted, counts["refused"] - self._refused)
+            self._aborted, self._refused = counts["aborted"], counts["refused"]
         if self.decode is not None:
             done, failed, stats = self.decode.results()
             recving = done | failed

@@ -32,8 +32,10 @@ from kvbridge.core import memory as mem
 from kvbridge.core import topology
 from kvbridge.core.errors import IncompatiblePeerError, LayoutError, ProtocolError
 
-PROTOCOL_VERSION = 1
-"""Bumped only for a change an older peer cannot read correctly (see the module docstring)."""
+PROTOCOL_VERSION = 2
+"""Bumped only for a change an older peer cannot read correctly (see the module docstring).
+2: claims, notifications and aborts carry the request's token (a claim also its prompt hash) and are refused
+without it; claims pin the request for the read."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -287,6 +289,10 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     """CUDA IPC handles of `memory`'s regions, in order (empty when the KV is not in GPU memory or the worker
     does not share it): a reader on the same host may copy with a GPU kernel instead of NIXL."""
 
+    epoch: str = ""
+    """Random per start of the worker: a claim's Ack carries it too, so a reader notices a restarted peer (new
+    memory, new agent) behind a cached connection and handshakes again."""
+
     def __post_init__(self) -> None:
         _check_worker(self)
         _page_format(self.memory.layers)
@@ -305,6 +311,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         memory: mem.WorkerMemory,
         host_id: str = "",
         ipc: tuple[mem.IpcHandle, ...] = (),
+        epoch: str = "",
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -317,6 +324,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             memory=Memory.from_core(memory),
             host_id=host_id,
             ipc=tuple(IpcRegion.from_core(h) for h in ipc),
+            epoch=epoch,
         )
 
     def page_format(self) -> tuple[int, int]:
@@ -355,34 +363,43 @@ class Notify(_Message, tag="notify", kw_only=True):
     worker: Worker
     expected: Positive = 1
     """How many notifications the prefill worker gets for this request in all (one per decode worker)."""
+    token: str = ""
+    """The request's secret token (from its kv_transfer_params): without it a notification frees nothing."""
 
 
 class Claim(_Message, tag="claim", kw_only=True):
     """Decode worker -> prefill worker, before reading: is `request_id` held here, with these blocks?
 
     Answered by Ack, or ErrorReply saying why not (unknown, finished, lease expired, blocks not the request's):
-    a decode side must never read blocks that no longer, or never did, hold the request's KV.
+    a decode side must never read blocks that no longer, or never did, hold the request's KV. A granted claim
+    pins the request for this decode engine for `read_timeout_s` (plus a margin): no lease expiry under the read.
     """
 
     request_id: str
     block_ids: tuple[NonNegative, ...]
     engine_id: str
     worker: Worker
+    token: str = ""
+    prompt_hash: str = ""
+    read_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Abort(_Message, tag="abort", kw_only=True):
-    """Decode worker -> prefill worker: `worker` will not read `request_id` (failed, cancelled, expired)."""
+    """Decode worker (or the proxy) -> prefill worker: `request_id` will not be read (the load failed, timed
+    out or was cancelled, or the decode leg never happened): free its blocks now. Needs the request's token."""
 
     request_id: str
     engine_id: str
     worker: Worker
     reason: str = ""
+    token: str = ""
 
 
 class Ack(_Message, tag="ack", kw_only=True):
-    """The answer to `Notify` and `Abort`."""
+    """The answer to `Claim`, `Notify` and `Abort`; `epoch` is the answering worker's (see HandshakeReply)."""
 
     request_id: str = ""
+    epoch: str = ""
 
 
 class ErrorReply(_Message, tag="error", kw_only=True):

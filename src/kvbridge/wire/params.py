@@ -19,18 +19,33 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
     remote_num_tokens   prompt tokens whose KV the prefill computed
     tp_size, pp_size    the prefill layout as NixlConnector reports it
     kvbridge_protocol   kvbridge's wire protocol version (kvbridge)
+    remote_prompt_hash  hash of the prompt's token ids (`prompt_hash`): the KV is this prompt's and no other's
+    remote_token        the request's secret: claims, notifications and aborts must carry it
+    remote_expires      unix time after which the prefill no longer holds the blocks for an unclaimed read
+    kvbridge_sig        HMAC of all the above with the deployment key (absent without a key)
+
+A decode instance loads the KV only for a request whose prompt has `remote_num_tokens` tokens hashing to
+`remote_prompt_hash` (`check_binding`), and with a key only params the prefill signed, unexpired; otherwise the
+request is prefilled locally (or fails under kv_load_failure_policy=fail), and a counter says why.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
 
-from kvbridge.core.errors import LayoutError, RequestParamsError
+from kvbridge.core.errors import LayoutError, ParamsRefused, RequestParamsError
 from kvbridge.core.topology import ParallelLayout
+from kvbridge.wire import auth
 from kvbridge.wire.messages import PROTOCOL_VERSION
+
+_SIGNED = b"kv_transfer_params-v1"
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -51,6 +66,10 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1
     pp_size: int = 1
     kvbridge_protocol: int = PROTOCOL_VERSION
+    remote_prompt_hash: str = ""
+    remote_token: str = ""
+    remote_expires: float = 0.0
+    kvbridge_sig: str = ""
 
     @property
     def layout(self) -> ParallelLayout:
@@ -58,6 +77,59 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+    def _payload(self) -> bytes:
+        return msgspec.msgpack.encode(msgspec.structs.replace(self, kvbridge_sig=""))
+
+    def signed(self, key: bytes) -> PrefillDone:
+        """These params with `kvbridge_sig` set: an HMAC over every other field."""
+        return msgspec.structs.replace(self, kvbridge_sig=auth.sign(key, _SIGNED, self._payload()))
+
+    def verify(self, key: bytes) -> bool:
+        return auth.verify(key, _SIGNED, self._payload(), self.kvbridge_sig)
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """The identity of a prompt's computed prefix: SHA-256 of its token ids (uint32, little-endian), 32 hex."""
+    data = array("I", token_ids)  # 4 bytes on every platform CPython supports
+    if sys.byteorder == "big":  # pragma: no cover
+        data.byteswap()
+    return hashlib.sha256(data.tobytes()).hexdigest()[:32]
+
+
+def check_binding(
+    done: PrefillDone,
+    prompt_token_ids: Sequence[int],
+    *,
+    key: bytes | None,
+    now: float,
+    max_workers: int,
+    window_s: float = 30.0,
+) -> None:
+    """Raise ParamsRefused (its `reason` is the metric label) unless `done` may be loaded for this prompt: signed
+    with `key` (when there is one), not expired, a layout within `max_workers`, and computed for exactly these
+    tokens. Nothing here connects anywhere or allocates anything."""
+    if key is not None:
+        if not done.kvbridge_sig:
+            raise ParamsRefused("unsigned", "kv_transfer_params: kvbridge_sig is missing (this decode has a key)")
+        if not done.verify(key):
+            raise ParamsRefused("bad_signature", "kv_transfer_params: kvbridge_sig does not match the params")
+    if done.remote_expires and now > done.remote_expires + window_s:
+        ago = now - done.remote_expires
+        raise ParamsRefused("expired", f"kv_transfer_params: remote_expires passed {ago:.0f} s ago")
+    layout = done.layout
+    if layout.dp * layout.workers_per_engine > max_workers:
+        raise ParamsRefused(
+            "layout", f"kv_transfer_params: remote_layout {layout} has more than max_remote_workers={max_workers}"
+        )
+    if done.remote_num_tokens != len(prompt_token_ids):
+        raise ParamsRefused(
+            "prompt_length",
+            f"kv_transfer_params: remote_num_tokens is {done.remote_num_tokens} but the prompt has "
+            f"{len(prompt_token_ids)} tokens",
+        )
+    if not done.remote_prompt_hash or done.remote_prompt_hash != prompt_hash(prompt_token_ids):
+        raise ParamsRefused("prompt_hash", "kv_transfer_params: remote_prompt_hash is not this prompt's")
 
 
 @functools.lru_cache(maxsize=64)
@@ -89,6 +161,8 @@ def parse_prefill_done(params: dict[str, Any]) -> PrefillDone:
         done = msgspec.convert(raw, PrefillDone)
     except msgspec.ValidationError as exc:
         raise RequestParamsError(f"kv_transfer_params: {exc}") from None
+    if len(done.remote_layout) > 64 or len(done.remote_request_id) > 512 or len(done.remote_engine_id) > 512:
+        raise RequestParamsError("kv_transfer_params: remote_layout, remote_request_id or remote_engine_id too long")
     try:
         layout = done.layout
     except LayoutError as exc:

@@ -11,6 +11,10 @@ Three layers, I/O only in the last:
   (one thread's DEALER sockets kept per address, several peers asked at once: claims and notifications).
 
 Every wait is a poll with a timeout: nothing spins, and a stopped server's thread ends within one poll.
+
+With a deployment key (`wire.auth.Sealer`) every frame is sealed: a server drops, without an answer, anything
+not sealed with its key or seen before, and an answer is accepted only for the request it answers. Sizes are
+bounded on both ends (a frame a server takes, an answer a client takes, messages queued per peer).
 """
 
 from __future__ import annotations
@@ -33,11 +37,19 @@ from kvbridge.core.errors import (
 )
 from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
+from kvbridge.wire.auth import Sealer
 
 logger = logging.getLogger(__name__)
 
 MAX_PORT = 65535
 DEFAULT_HOST = "127.0.0.1"
+MAX_REQUEST_BYTES = 256 * 1024
+"""Largest frame a side-channel server takes: a handshake request describes one decode worker's memory (a few
+hundred bytes a layer); claims and notifications are far smaller."""
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+"""Largest answer a client takes (a handshake reply: memory map, NIXL metadata, CUDA IPC handles)."""
+QUEUED_PER_PEER = 16
+"""Messages ZMQ queues per connection (its default, 1000, times the frame size is what a flood could pin)."""
 
 Handler = Callable[[wire.Message], wire.Message]
 """Answers one decoded message; called on the server's thread. May raise: the peer then gets an error."""
@@ -125,11 +137,20 @@ def respond(data: bytes, handler: Handler) -> bytes:
         return wire.encode(wire.ErrorReply(message=f"internal error on {type(message).__name__}: {exc!r}"))
 
 
-def _answer_frames(frames: list[bytes], handler: Handler) -> list[bytes]:
-    """The frames a ROUTER sends back for received `frames` (identity, [empty delimiter], body)."""
+def _answer_frames(frames: list[bytes], handler: Handler, sealer: Sealer | None = None) -> list[bytes] | None:
+    """The frames a ROUTER sends back for received `frames` (identity, [empty delimiter], body); None: send
+    nothing (with a key: the frame is not authentic, or a replay; `sealer.dropped` counts why)."""
     # A REQ peer (or a DEALER imitating one) puts an empty delimiter after its identity; a DEALER need not.
     split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
     envelope, body = frames[:split], frames[split:]
+    if sealer is not None:
+        opened = sealer.open_request(body[0]) if len(body) == 1 else None
+        if opened is None:
+            if len(body) != 1:
+                sealer.dropped["unauthenticated"] += 1
+            return None
+        data, nonce = opened
+        return [*envelope, sealer.seal_answer(respond(data, handler), nonce)]
     if len(body) != 1:
         error = wire.ErrorReply(message=f"expected one message frame, got {len(body)}")
         return [*envelope, wire.encode(error)]
@@ -154,13 +175,16 @@ class SideChannelServer:
         host: str = DEFAULT_HOST,
         *,
         poll_interval_s: float = 0.05,
-        max_message_bytes: int = 1 << 20,
+        max_message_bytes: int = MAX_REQUEST_BYTES,
+        sealer: Sealer | None = None,
     ) -> None:
+        """`sealer`: authenticate every frame with the deployment key (None: frames are bare msgpack)."""
         self.host = host
         self.port = port
         self.handler = handler
         self.poll_interval_s = poll_interval_s
         self.max_message_bytes = max_message_bytes
+        self.sealer = sealer
         self._socket: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -179,6 +203,8 @@ class SideChannelServer:
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, QUEUED_PER_PEER)
+        sock.setsockopt(zmq.SNDHWM, QUEUED_PER_PEER)
         if ":" in self.host:
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -231,8 +257,11 @@ class SideChannelServer:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    answer = _answer_frames(frames, self.handler, self.sealer)
+                    if answer is None:
+                        continue
                     try:
-                        sock.send_multipart(_answer_frames(frames, self.handler), zmq.NOBLOCK)
+                        sock.send_multipart(answer, zmq.NOBLOCK)
                     except zmq.Again:  # the peer's queue is full or it left: drop the answer
                         logger.debug("side channel %s dropped an answer", self.endpoint)
             except zmq.ContextTerminated:
@@ -242,13 +271,22 @@ class SideChannelServer:
                 self._stop.wait(self.poll_interval_s)
 
 
-def exchange(host: str, port: int, message: wire.Message, *, timeout_s: float = 2.0, retries: int = 2) -> wire.Message:
+def exchange(
+    host: str,
+    port: int,
+    message: wire.Message,
+    *,
+    timeout_s: float = 2.0,
+    retries: int = 2,
+    sealer: Sealer | None = None,
+) -> wire.Message:
     """Send `message` to the side channel at (host, port) and return its answer.
 
     Each of the `1 + retries` attempts uses a fresh DEALER socket and waits at most `timeout_s`, so this
     returns or raises within about `(1 + retries) * timeout_s`. Raises TransferTimeout if no attempt is
     answered, ProtocolError for an answer that is not a message (IncompatiblePeerError if it carries another
-    protocol version). Messages may be delivered more than once: handlers must be idempotent.
+    protocol version). Messages may be delivered more than once: handlers must be idempotent. With `sealer`
+    each attempt is sealed afresh, and an answer that is not the authentic answer to it is not taken.
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -264,18 +302,19 @@ def exchange(host: str, port: int, message: wire.Message, *, timeout_s: float = 
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
         try:
+            frame, nonce = sealer.seal_request(payload) if sealer else (payload, b"")
             try:
-                sock.send(payload)
+                sock.send(frame)
             except zmq.Again:
                 continue
             if sock.poll(timeout_ms, zmq.POLLIN):
-                return _decode_answer(sock.recv_multipart(), address)
+                return _decode_answer(sock.recv_multipart(), address, sealer, nonce)
             logger.debug("side channel %s: attempt %d timed out", address, attempt + 1)
         finally:
             sock.close(linger=0)
     raise TransferTimeout(
         f"no answer from the side channel {address} to {type(message).__name__}: "
-        f"{1 + retries} attempts of {timeout_s:g} s ({time.monotonic() - started:.2f} s)"
+        f"{1 + retries} attempts of {timeout_s:g} s ({time.monotonic() - started:.2f} s)" + _KEY_HINT
     )
 
 
@@ -289,11 +328,14 @@ class SideChannelClient:
     next message's), so retries and timeouts behave as `exchange`'s. Not thread-safe: one per thread.
     """
 
-    def __init__(self, *, timeout_s: float = 2.0, retries: int = 2, max_sockets: int = 256) -> None:
+    def __init__(
+        self, *, timeout_s: float = 2.0, retries: int = 2, max_sockets: int = 256, sealer: Sealer | None = None
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.timeout_s = timeout_s
         self.retries = retries
+        self.sealer = sealer
         # A long-lived decode server meets prefill instances that come and go: beyond this many addresses the
         # least recently used socket is closed (a file descriptor each), and reopened if that peer comes back.
         self.max_sockets = max_sockets
@@ -312,10 +354,12 @@ class SideChannelClient:
             if not pending:
                 break
             polling: dict[zmq.Socket, str] = {}
+            nonces: dict[str, bytes] = {}
             for address in pending:
                 try:
                     sock = self._socket(address, timeout_ms, polling.values())
-                    sock.send(payload)
+                    frame, nonces[address] = self.sealer.seal_request(payload) if self.sealer else (payload, b"")
+                    sock.send(frame)
                     polling[sock] = address
                 except zmq.Again:  # its queue is full: a new socket next attempt
                     self._drop(address)
@@ -331,7 +375,8 @@ class SideChannelClient:
                     address = polling.pop(sock)
                     poller.unregister(sock)
                     try:
-                        answers[address] = _decode_answer(sock.recv_multipart(zmq.NOBLOCK), address)
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        answers[address] = _decode_answer(frames, address, self.sealer, nonces[address])
                     except (KVBridgeError, zmq.ZMQError) as exc:
                         self._drop(address)
                         answers[address] = exc
@@ -344,6 +389,7 @@ class SideChannelClient:
                 TransferTimeout(
                     f"no answer from the side channel {address} to {type(message).__name__}: "
                     f"{1 + self.retries} attempts of {self.timeout_s:g} s ({time.monotonic() - started:.2f} s)"
+                    + _KEY_HINT
                 ),
             )
         return [answers[a] for a in addresses]
@@ -373,13 +419,19 @@ class SideChannelClient:
 
 
 def fetch_handshake(
-    host: str, port: int, request: wire.HandshakeRequest, *, timeout_s: float = 2.0, retries: int = 2
+    host: str,
+    port: int,
+    request: wire.HandshakeRequest,
+    *,
+    timeout_s: float = 2.0,
+    retries: int = 2,
+    sealer: Sealer | None = None,
 ) -> wire.HandshakeReply:
     """The decode side of a handshake: the prefill worker's reply, checked against `request`.
 
     Raises IncompatiblePeerError (refused here or there), TransferTimeout (see `exchange`) or ProtocolError.
     """
-    answer = exchange(host, port, request, timeout_s=timeout_s, retries=retries)
+    answer = exchange(host, port, request, timeout_s=timeout_s, retries=retries, sealer=sealer)
     address = endpoint(host, port)
     try:
         match answer:
@@ -406,6 +458,7 @@ def _dealer(address: str, timeout_ms: int) -> zmq.Socket:
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
         if address.startswith("tcp://["):  # an IPv6 literal
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
@@ -415,9 +468,17 @@ def _dealer(address: str, timeout_ms: int) -> zmq.Socket:
     return sock
 
 
-def _decode_answer(frames: list[bytes], address: str) -> wire.Message:
+_KEY_HINT = " (a server with a deployment key drops what is not sealed with it: are the auth keys equal?)"
+
+
+def _decode_answer(frames: list[bytes], address: str, sealer: Sealer | None = None, nonce: bytes = b"") -> wire.Message:
     if len(frames) != 1:
         raise ProtocolError(f"the side channel {address} answered with {len(frames)} frames, expected 1")
+    if sealer is not None:
+        body = sealer.open_answer(frames[0], nonce)
+        if body is None:
+            raise ProtocolError(f"the side channel {address} answered with a frame not sealed with our key")
+        frames = [body]
     try:
         return wire.decode(frames[0])
     except ProtocolError as exc:

@@ -1,0 +1,88 @@
+"""The prefill side's lease book (pure, clock passed in): claims pin, tokens guard, aborts free at once."""
+
+from __future__ import annotations
+
+from kvbridge.core.leases import MAX_EARLY, READ_MARGIN_S, LeaseBook
+
+
+def held(book: LeaseBook, now: float = 0.0, token: str = "tok") -> LeaseBook:
+    book.hold("r", now, token=token, prompt_hash="h", blocks=(1, 2, 3))
+    return book
+
+
+def test_an_unclaimed_request_expires_with_its_lease():
+    book = held(LeaseBook(lease_s=10))
+    assert book.due(9.9) == (set(), set())
+    assert book.due(10.0) == (set(), {"r"})
+
+
+def test_a_claim_pins_the_request_past_its_lease_until_the_read_deadline():
+    book = held(LeaseBook(lease_s=10))
+    assert book.claim("r", "tok", "h", (1, 2), "decode-a", read_s=30, now=9.0) is None
+    assert book.due(20.0) == (set(), set())  # the lease alone would have freed it at 10
+    assert book.due(9.0 + 30 + READ_MARGIN_S - 0.01) == (set(), set())  # the reader's timeout, not the lease
+    assert book.due(9.0 + 30 + READ_MARGIN_S) == (set(), {"r"})
+
+
+def test_negative_control_without_a_claim_the_same_clock_frees_it():
+    book = held(LeaseBook(lease_s=10))
+    assert book.due(20.0) == (set(), {"r"})
+
+
+def test_every_reader_notified_frees_it():
+    book = held(LeaseBook(lease_s=10))
+    for _ in range(2):  # both decode workers claim
+        assert book.claim("r", "tok", "h", (1,), "d", 5, now=1.0) is None
+    assert book.notified("r", "tok", "d", "dp0/pp0/tp0", 2, now=2.0)
+    assert book.due(2.0) == (set(), set())
+    assert book.notified("r", "tok", "d", "dp0/pp0/tp0", 2, now=2.0)  # a repeat counts once
+    assert book.due(2.0) == (set(), set())
+    assert book.notified("r", "tok", "d", "dp0/pp0/tp1", 2, now=2.0)
+    assert book.due(2.0) == ({"r"}, set())
+
+
+def test_claims_notifications_and_aborts_need_the_token():
+    book = held(LeaseBook(lease_s=10))
+    assert book.claim("r", "wrong", "h", (1,), "d", 5, now=1.0) == "not_held"  # says nothing of the request
+    assert book.claim("other", "tok", "h", (1,), "d", 5, now=1.0) == "not_held"
+    assert not book.notified("r", "wrong", "d", "w", 1, now=1.0)
+    assert not book.abort("r", "wrong")
+    assert book.due(5.0) == (set(), set())
+    assert book.refused_total == 4
+    assert book.abort("r", "tok")
+    assert book.due(5.0) == ({"r"}, set())
+    assert book.aborted_total == 1
+
+
+def test_a_claim_must_name_the_prompt_and_only_the_requests_blocks():
+    book = held(LeaseBook(lease_s=10))
+    assert book.claim("r", "tok", "other-prompt", (1,), "d", 5, now=1.0) == "mismatch"
+    assert book.claim("r", "tok", "h", (1, 9), "d", 5, now=1.0) == "mismatch"
+    assert book.claim("r", "tok", "h", (3,), "d", 5, now=1.0) is None
+
+
+def test_a_second_engine_cannot_claim_or_complete_a_claimed_request():
+    book = held(LeaseBook(lease_s=10))
+    assert book.claim("r", "tok", "h", (1,), "d1", 5, now=1.0) is None
+    assert book.claim("r", "tok", "h", (1,), "d2", 5, now=1.0) == "other_reader"
+    assert not book.notified("r", "tok", "d2", "dp0/pp0/tp0", 1, now=1.0)
+    assert book.due(2.0) == (set(), set())
+
+
+def test_an_expired_request_cannot_be_claimed():
+    book = held(LeaseBook(lease_s=10))
+    assert book.claim("r", "tok", "h", (1,), "d", 5, now=10.0) == "not_held"
+
+
+def test_early_notifications_are_bounded_and_checked_when_the_hold_comes():
+    book = LeaseBook(lease_s=10, early_ttl_s=1.0)
+    assert book.notified("r", "tok", "d", "w", 1, now=0.0)
+    assert book.notified("r2", "bad", "d", "w", 1, now=0.0)
+    book.hold("r", 0.1, token="tok")
+    book.hold("r2", 0.1, token="tok")
+    assert book.due(0.2) == ({"r"}, set())  # r2's early note had the wrong token
+    for i in range(MAX_EARLY + 10):
+        book.notified(f"x{i}", "t", "d", "w", 1, now=1.0)
+    assert len(book._early) == MAX_EARLY
+    book.due(5.0)  # forgotten after early_ttl_s
+    assert len(book._early) == 0
