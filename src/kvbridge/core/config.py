@@ -60,8 +60,9 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     None: UCX's own choice always."""
 
     ucx_net_devices: str | None = None
-    """UCX network devices (UCX_NET_DEVICES) unless the environment sets it; None lets UCX choose. Tests and
-    `kvbridge serve`/`demo` on one machine use "lo" (through the environment)."""
+    """UCX network devices (UCX_NET_DEVICES) unless the environment sets it: the NIC(s) NIXL may use, e.g.
+    "mlx5_0:1,eth0". None: the interface that holds side_channel_host ("lo" for the loopback default; a decode
+    instance reading from other hosts must name its NIC here). "all" lets UCX use every interface."""
 
     gpu_peer_copy: Literal["auto", "nixl"] = "auto"
     """How a decode worker reads KV in GPU memory from a prefill worker on the same host. "auto": through CUDA IPC

@@ -46,6 +46,7 @@ from kvbridge.runtime.peers import Engine, PeerBook, address
 from kvbridge.runtime.prefill_worker import transport_config
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, Transfer
 from kvbridge.wire import messages as wire
+from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
 from kvbridge.wire.side_channel import SideChannelClient
@@ -134,7 +135,9 @@ class DecodeWorker:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._stats = TransferStats()
-        self._pool = ThreadPoolExecutor(control_threads, thread_name_prefix=f"kvbridge-control-{identity.rank}")
+        self._pool = ThreadPoolExecutor(
+            control_threads, thread_name_prefix=f"kvbridge-control-{identity.rank}", initializer=unpin_this_thread
+        )
         self._local = threading.local()  # each control thread's side-channel sockets
         self._clients: list[SideChannelClient] = []
         self.peers = PeerBook(identity, memory, config, self._pool, self._add_agent, self.sealer, self._ipc_connect)
@@ -162,7 +165,11 @@ class DecodeWorker:
         return self
 
     def _spawn(self, target, name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
+        def run() -> None:
+            unpin_this_thread()  # light threads: never wait behind vLLM's spinning, pinned workers
+            target()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
 

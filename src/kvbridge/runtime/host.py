@@ -21,3 +21,24 @@ def host_id() -> str:
     except OSError:
         netns = "?"
     return f"{socket.gethostname()}/{boot}/{netns}"
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` (e.g. "eth0"), "lo" for loopback, None if none does or it
+    cannot be told (no psutil: vLLM installs it)."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return "lo" if address == "localhost" else None
+    if ip.is_loopback:
+        return "lo"
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == str(ip) for a in addrs):
+            return name
+    return None

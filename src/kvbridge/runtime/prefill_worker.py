@@ -20,13 +20,14 @@ import time
 from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.errors import ProtocolError, TransferError
+from kvbridge.core.errors import ConfigError, ProtocolError, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import LeaseBook
 from kvbridge.core.memory import WorkerMemory
-from kvbridge.runtime.host import host_id
+from kvbridge.runtime.host import host_id, interface_of
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportConfig
 from kvbridge.wire import messages as wire
+from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
 
@@ -171,6 +172,7 @@ class PrefillWorker:
         self.transport.close()
 
     def _run(self) -> None:
+        unpin_this_thread()  # light work: never wait behind vLLM's spinning, pinned worker threads
         while not self._stop.is_set():
             with self._progress_lock:
                 try:
@@ -243,7 +245,18 @@ def _warn_once(text: str) -> None:
 
 
 def transport_config(config: BridgeConfig, mem_type: MemType) -> TransportConfig:
+    """UCX settings: the transports for the memory type, and the network devices the operator named
+    (`ucx_net_devices`), else the interface of `side_channel_host` ("lo" for loopback): UCX never listens on
+    every interface unless told to (`ucx_net_devices: "all"`)."""
     tls = config.ucx_tls
     if tls == "auto":
         tls = "self,sm,cma,tcp" if mem_type == "DRAM" else None
-    return TransportConfig(ucx_tls=tls, ucx_net_devices=config.ucx_net_devices)
+    devices = config.ucx_net_devices
+    if devices is None:
+        devices = interface_of(config.side_channel_host)
+        if devices is None:
+            raise ConfigError(
+                f"kv_connector_extra_config: no network interface holds side_channel_host "
+                f'{config.side_channel_host!r}: set ucx_net_devices to the NIC(s) NIXL may use ("all": any)'
+            )
+    return TransportConfig(ucx_tls=tls, ucx_net_devices=None if devices == "all" else devices)

@@ -57,7 +57,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         else:
             from kvbridge.vllm.worker_side import WorkerSide
 
-            self._worker = WorkerSide(vllm_config, config)
+            self._worker = WorkerSide(vllm_config, config, kv_cache_config)
 
     # -- scheduler side --------------------------------------------------------------------------------
 

@@ -121,6 +121,17 @@ class SchedulerSide:
                 "blocks", f"remote_block_ids has {len(source.remote_block_ids)} blocks, the prompt needs {needed}"
             )
 
+    def _release_source(self, params: dict[str, Any]) -> PrefillDone | None:
+        """Where to send a release (an Abort with the params' token): only params the prefill signed (with a key),
+        since a release goes to the address they name. No prompt check: nothing is read."""
+        try:
+            source = parse_prefill_done(params)
+        except RequestParamsError:
+            return None
+        if self.key is not None and not source.verify(self.key):
+            return None
+        return source
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if self._source(request) is None:
             if request.request_id in self._refused:  # policy fail: a load that fails at once, reading nothing
@@ -168,9 +179,9 @@ class SchedulerSide:
 
         params = request.kv_transfer_params
         if self.is_consumer and wants_remote_prefill(params):
-            # Finished (aborted) before its load was scheduled: the prefill side still holds the blocks.
-            source = self._source(request)
-            self._sources.pop(request.request_id, None)
+            # Finished (aborted, or rejected by vLLM's front end: a pre-aborted one-token request carrying the
+            # params) before its load was scheduled: the prefill side still holds the blocks; free them now.
+            source = self._sources.pop(request.request_id, None) or self._release_source(params)
             self._refused.pop(request.request_id, None)
             params["do_remote_prefill"] = False
             if source is not None:

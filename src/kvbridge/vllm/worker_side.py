@@ -10,6 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig
+from kvbridge.core.errors import ConfigError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.runtime.decode_worker import DecodeWorker
 from kvbridge.runtime.prefill_worker import PrefillWorker
@@ -38,8 +39,23 @@ def share_regions(regions) -> tuple:
         return ()
 
 
+def check_block_split(memory_blocks: list[int], config_blocks: int | None, block_size: int) -> None:
+    """Refuse, at startup, KV tensors whose block count is not the KV-cache config's: vLLM 0.32 splits each
+    manager block into kernel blocks when the attention backend's kernel block is smaller than --block-size
+    (`group_kernel_blocks`), and reading manager block b as kernel block b would load another request's KV."""
+    if config_blocks is None:
+        return
+    wrong = sorted({n for n in memory_blocks if n != config_blocks})
+    if wrong:
+        raise ConfigError(
+            f"kvbridge: the KV cache tensors hold {wrong[0]} blocks but vLLM's KV-cache config has {config_blocks} "
+            f"(the attention backend splits each {block_size}-token block into kernel blocks): unsupported; "
+            "use a --block-size equal to the backend's kernel block size"
+        )
+
+
 class WorkerSide:
-    def __init__(self, vllm_config: VllmConfig, config: BridgeConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: BridgeConfig, kv_cache_config=None) -> None:
         kv = vllm_config.kv_transfer_config
         self.vllm_config = vllm_config
         self.config = config
@@ -50,6 +66,7 @@ class WorkerSide:
         self.prefill: PrefillWorker | None = None
         self.decode: DecodeWorker | None = None
         self.stats = KVBridgeStats()
+        self.kv_cache_config = kv_cache_config
         self._aborted = self._refused = 0  # prefill lease totals already recorded
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -57,6 +74,11 @@ class WorkerSide:
 
         memory = memory_from_tensors(kv_caches, extract_layer_index)
         first = next(iter(kv_caches.values()))
+        check_block_split(
+            [lk.num_blocks for lk in memory.layers],
+            getattr(self.kv_cache_config, "num_blocks", None),
+            self.vllm_config.cache_config.block_size,
+        )
         layout, dp_rank = engine_layout(self.vllm_config)
         identity = WorkerIdentity(
             self.engine_id,

@@ -37,6 +37,7 @@ from kvbridge.core.errors import (
 )
 from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
+from kvbridge.wire.affinity import unpin_this_thread, zmq_context
 from kvbridge.wire.auth import Sealer
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class SideChannelServer:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError(f"side channel {self.endpoint} is already started")
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock = zmq_context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, QUEUED_PER_PEER)
@@ -244,6 +245,7 @@ class SideChannelServer:
         self.close()
 
     def _serve(self, sock: zmq.Socket) -> None:
+        unpin_this_thread()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         timeout_ms = max(1, round(self.poll_interval_s * 1000))
@@ -454,7 +456,7 @@ def fetch_handshake(
 def _dealer(address: str, timeout_ms: int) -> zmq.Socket:
     """A DEALER socket connected to `address` (an `endpoint`): no linger, sends time out after `timeout_ms`.
     Closed again if the connect fails (zmq.ZMQError)."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = zmq_context().socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
