@@ -1,7 +1,8 @@
 """Prefill and decode on different hosts: network namespaces joined by veth, KV over TCP on the veth.
 
 The prefill server (PP=2) runs in one namespace, the decode server in another, the test client in the root
-namespace. UCX is limited to TCP on each host's own device (no shared memory, CMA or CUDA IPC between hosts),
+namespace; both hold the deployment key (authenticated side channel, signed kv_transfer_params). UCX is limited
+to TCP on each host's own device (no shared memory, CMA or CUDA IPC between hosts),
 so the KV must cross the link: the prefill host's transmitted bytes are checked against the KV size. Then the
 prefill host's link is cut in the middle of a request: the decode side recomputes within a bounded time, the
 prefill side frees the held blocks when the lease expires, and requests succeed again once the link is back.
@@ -27,7 +28,17 @@ if shutil.which("ip") is None:  # the Makefile installs iproute2; fail loudly ra
 
 
 def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
-    extra = {"side_channel_host": host.ip, "side_channel_port": 5600, "lease_s": LEASE_S}
+    """A server on `host`, authenticated with the deployment key (a side channel beyond loopback needs one)."""
+    key = log.parent / "deployment.key"
+    if not key.exists():
+        key.write_bytes(b"cross-host-test-key-0123456789abcdef")
+    extra = {
+        "side_channel_host": host.ip,
+        "side_channel_port": 5600,
+        "lease_s": LEASE_S,
+        "auth_key_file": str(key),
+        "ucx_net_devices": host.device,
+    }
     if role == "kv_consumer":
         extra.update(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0)
     return VllmServer(

@@ -72,7 +72,14 @@ def servers(tmp_path_factory):
     )
     group = (prefill, decode("decode"), decode("unchecked", check_prompt=False), decode("strict", policy="fail"))
     with running(group):
-        yield {"prefill": prefill, "port": prefill_port, **{s.name: s for s in group[1:]}}
+        yield {
+            "prefill": prefill,
+            "port": prefill_port,
+            "model": model,
+            "root": root,
+            "secure": secure,
+            **{s.name: s for s in group[1:]},
+        }
 
 
 def prompt(seed: int, n: int = 300) -> list[int]:
@@ -269,3 +276,40 @@ def test_an_insider_without_the_token_frees_nothing(servers):
     while prefill.kv_usage() > baseline and time.monotonic() < deadline:
         time.sleep(0.1)
     assert prefill.kv_usage() == baseline
+
+
+def test_a_prefill_restarted_under_the_same_engine_id_is_handshaken_again(servers):
+    """A prefill instance restarted with an operator-fixed engine id (same ports, new agents and memory) is
+    detected by the epoch in the claim's answer: the decode drops its cached connection and handshakes again,
+    and the KV really moves from the new instance (never a read through the stale connection)."""
+    decode = servers["decode"]
+
+    def start() -> VllmServer:
+        config = kvbridge_config("kv_producer", side_channel_port=port, lease_s=20.0, **servers["secure"])
+        config["engine_id"] = "prefill-fixed"
+        server = VllmServer(
+            servers["model"],
+            port=api_port,
+            cpu_bind="0",
+            kv_transfer_config=config,
+            name="restarted",
+            log_path=servers["root"] / f"restarted-{time.monotonic_ns()}.log",
+        )
+        server.start()
+        server.wait_ready(timeout=300)
+        return server
+
+    port, api_port = free_base_port(1), free_port()
+    results = []
+    for seed in (30, 31):
+        server = start()
+        try:
+            p = prompt(seed)
+            params = complete(server.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+            assert params["remote_engine_id"] == "prefill-fixed"
+            moved = counts(decode.url)[0]
+            tokens = tokens_of(decode.url, p, params)
+            results.append((tokens == tokens_of(server.url, p), counts(decode.url)[0] - moved))
+        finally:
+            server.stop()
+    assert results == [(True, 300), (True, 300)], results

@@ -69,8 +69,10 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     with kvbridge's gather kernel (one launch per prefill worker, near the NVLink copy rate however scattered the
     blocks), falling back to NIXL when the handles cannot be opened; "nixl": always NIXL."""
 
-    kv_layout: str | None = None
-    """A vLLM KV cache layout to ask for ("NHD" or "HND"); None asks HND only when TP sizes may differ."""
+    kv_layout: Literal["NHD", "HND"] | None = None
+    """The KV cache layout kvbridge asks vLLM for (`get_required_kvcache_layout`): "HND" keeps each block's heads
+    together on GPU, so that a decode worker of another TP size reads one run per block instead of one per token;
+    None keeps vLLM's default. Both sides must use the same one (the handshake compares the page format)."""
 
     auth_key: str | None = None
     """The deployment's shared secret (at least 16 bytes), the same on every prefill and decode instance. Prefer

@@ -319,6 +319,15 @@ class VllmServer:
                 progress(now - self.started_at, tail)
             time.sleep(interval)
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash, for fault tests); `stop()` then only reaps."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
     def stop(self, grace: float = 15.0, kill_after: float = 5.0) -> int | None:
         """End the server's whole process group; idempotent. Returns the server's exit code (None if never
         started or not reaped).

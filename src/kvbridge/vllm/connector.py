@@ -80,6 +80,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return None  # every worker of every stage reports each id once
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The `kv_layout` of kv_connector_extra_config ("HND" keeps a block's heads together on GPU, so a
+        decode worker of another TP size reads one run per block); None keeps vLLM's default."""
+        return BridgeConfig.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config).kv_layout
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
 

@@ -62,6 +62,7 @@ class SchedulerSide:
         self._sources: dict[str, PrefillDone] = {}  # parsed once per request, between match and alloc
         self._refused: dict[str, ParamsRefused] = {}  # under policy fail: requests to fail without a read
         self._seen: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self._refused_keys: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._stats = KVBridgeStats()
 
     # -- decode role ---------------------------------------------------------------------------------
@@ -75,10 +76,13 @@ class SchedulerSide:
         cached = self._sources.get(request.request_id)
         if cached is not None:
             return cached
+        source = None
         try:
             source = parse_prefill_done(params)
             self._check(request, source)
         except RequestParamsError as exc:
+            if source is not None:  # refused params must not be released either: they may be someone else's
+                self._remember((source.remote_engine_id, source.remote_request_id), source, self._refused_keys)
             reason = exc.reason if isinstance(exc, ParamsRefused) else "malformed"
             self._stats.record_rejected(reason)
             fail = self.fail_refused and isinstance(exc, ParamsRefused)
@@ -96,6 +100,11 @@ class SchedulerSide:
             self._seen.popitem(last=False)
         self._sources[request.request_id] = source
         return source
+
+    def _remember(self, key: tuple[str, str], source: PrefillDone, book: OrderedDict) -> None:
+        book[key] = ("", source.remote_expires or time.time() + 2 * self.config.lease_s)
+        while len(book) > MAX_SEEN:
+            book.popitem(last=False)
 
     def _check(self, request: Request, source: PrefillDone) -> None:
         """Everything that can be known before a connection: the params are this prompt's, signed, fresh, used
@@ -130,6 +139,8 @@ class SchedulerSide:
             return None
         if self.key is not None and not source.verify(self.key):
             return None
+        if (source.remote_engine_id, source.remote_request_id) in self._refused_keys:
+            return None  # refused here (another prompt's, a replay): its owner may still read it
         return source
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
