@@ -217,17 +217,22 @@ def test_failed_load_under_fail_policy_is_a_clear_error(pair):
 
 
 def test_killed_decode_server_leaks_no_prefill_blocks(pair):
-    """The decode server dies while its request waits for the KV: the prefill server frees the held blocks
-    when the lease expires."""
+    """The decode server dies (SIGKILL) while its PD request is inside it (queued, claiming or reading): the
+    prefill server frees the held blocks at the lease's end or the claim's read deadline, never keeps them."""
     prefill, _, strict = pair
     baseline = prefill.kv_usage()
     p = prompt(14, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
     assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
-    strict.stop(grace=0.5)
-    with pytest.raises(OSError):
-        complete(strict.url, p, 8, kv_transfer_params=params, timeout=10)
-    assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S + 10), "the prefill server leaked blocks"
+    with ThreadPoolExecutor(1) as pool:
+        # a long generation keeps the request inside the decode server for seconds after its load
+        pd = pool.submit(complete, strict.url, p, 300, params, 60, ignore_eos=True)
+        assert wait_for(lambda: metric_sum(metrics(strict.url), "vllm:num_requests_running") >= 1, 30)
+        strict.kill()
+        with pytest.raises(OSError):
+            pd.result()
+    # the claim (if it was made) pins for the decode's transfer_timeout_s (25 s) + 5 s; else the lease frees it
+    assert wait_for(lambda: prefill.kv_usage() == baseline, 45), "the prefill server leaked blocks"
 
 
 def test_dead_prefill_is_recomputed_and_decode_keeps_serving(pair):
