@@ -13,7 +13,7 @@ import pytest
 
 from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, metric_sum, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_model
-from test_e2e_vllm import SOURCE, disaggregated, kv_config, prompts
+from test_e2e_vllm import SOURCE, disaggregated, kv_config, prompts, seed_of
 
 pytestmark = pytest.mark.vllm
 
@@ -49,7 +49,7 @@ def wide(tmp_path_factory):
 @pytest.mark.parametrize(("prefill", "decode"), [("pp4", "tp4"), ("tp4", "pp4")])
 def test_pp4_tp4(wide, prefill, decode):
     p, d = wide[prefill], wide[decode]
-    batch = prompts(hash((prefill, decode, "wide")) % 10_000, (200, 330))
+    batch = prompts(seed_of(prefill, decode, "wide"), (200, 330))
     before = metrics(d.url)
     for prompt in batch:
         t0 = time.monotonic()

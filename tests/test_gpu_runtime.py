@@ -11,7 +11,7 @@ import pytest
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.topology import KVGeometry, ParallelLayout
-from kvbridge.testing.transfer_scenario import Scenario, run_transfer
+from kvbridge.testing.transfer_scenario import Scenario, release_problems, run_transfer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -48,10 +48,7 @@ def assert_loaded_and_released(s: Scenario, result: dict) -> None:
         assert worker["path"] == "cuda-ipc", worker
         assert worker["ok"] and worker["exact"] and worker["untouched_clean"], worker
         assert len(worker["gpu_times_s"]) == s.repeats
-    want = [f"prefill-req-{i}" for i in range(s.repeats)]
-    assert sorted((rank, ids, expired) for rank, ids, expired, _ in result["prefill_released"]) == [
-        (str(w), want, 0) for w in s.prefill.workers()
-    ]
+    assert release_problems(s, result) == []
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("pp=2", "tp=2"), ("tp=2", "pp=2"), ("pp=1", "pp=1")])
@@ -74,11 +71,13 @@ def test_concurrent_ipc_loads_are_exact_and_release_every_prefill_worker():
     assert_loaded_and_released(s, run_transfer(s, timeout_s=120))
 
 
-def test_a_refused_claim_fails_the_ipc_load_after_its_kernel():
-    """The kernel is launched before the claim's answer; the refusal fails the load once the kernel is done."""
-    result = run_transfer(scenario("pp=2", "tp=2", held=False), timeout_s=120)
+def test_a_refused_claim_fails_the_ipc_load_before_any_kernel():
+    """The claim (another prompt's hash) is refused before anything is launched: the load fails, the decode's
+    blocks are untouched, and the decode side's abort frees the request on every prefill worker at once."""
+    s = scenario("pp=2", "tp=2", wrong="prompt_hash")
+    result = run_transfer(s, timeout_s=120)
     for worker in result["decode"]:
         assert worker["path"] == "cuda-ipc", worker
         assert worker["failed"] and not worker["ok"], worker
         assert worker["untouched_clean"], worker
-    assert result["prefill_released"] == []
+    assert release_problems(s, result, by="abort") == []

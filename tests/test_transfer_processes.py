@@ -1,13 +1,24 @@
 """Whole transfers between real worker processes: side-channel handshakes, NIXL READs, notifications.
 
 One process per worker on both sides; every decode worker checks every byte it holds against the seeded
-reference, bytes of other blocks stay untouched, and every prefill worker (read or not) is released.
+reference, bytes of other blocks stay untouched, and every prefill worker (read or not) frees every request it
+held exactly once, the way the scenario expects (`release_problems`). Requests carry a token and a prompt hash.
 """
+
+import copy
+import zlib
 
 import pytest
 
+from kvbridge.core.config import BridgeConfig
 from kvbridge.core.topology import KVGeometry, ParallelLayout
-from kvbridge.testing.transfer_scenario import Scenario, run_transfer
+from kvbridge.testing.transfer_scenario import Scenario, release_problems, run_transfer
+
+
+def seed_of(*names: str) -> int:
+    """A seed per parameter set, the same on every run (str hash() changes with PYTHONHASHSEED)."""
+    return zlib.crc32(" -> ".join(names).encode()) % 1000
+
 
 PAIRS = [
     ("pp=2,tp=1", "pp=1,tp=2", 4),  # the pair vLLM's NixlConnector fails on
@@ -27,7 +38,7 @@ def test_request_moves_exactly(prefill, decode, heads):
         KVGeometry(num_layers=4, num_kv_heads=heads, head_size=32, dtype="float32", block_size=16),
         num_blocks=48,
         request_blocks=9,
-        seed=hash((prefill, decode)) % 1000,
+        seed=seed_of(prefill, decode),
     )
     result = run_transfer(scenario, timeout_s=90)
     assert len(result["decode"]) == scenario.decode.workers_per_engine
@@ -35,11 +46,9 @@ def test_request_moves_exactly(prefill, decode, heads):
         assert worker["ok"] and not worker["failed"], worker
         assert worker["exact"], f"{worker['decode_worker']} holds wrong bytes"
         assert worker["untouched_clean"], f"{worker['decode_worker']} wrote outside the request's blocks"
-    released = {rank: ids for rank, ids, expired, _ in result["prefill_released"]}
-    assert set(released) == {str(w) for w in scenario.prefill.workers()}
-    assert all(ids == ["prefill-req-0"] for ids in released.values())
-    # Freed because every reader said so (a READ's notification or the side channel), not at lease expiry.
-    assert all(expired == 0 for _, _, expired, _ in result["prefill_released"]), result["prefill_released"]
+    # Every prefill worker, read or not, freed the request once because every reader said so (a READ's
+    # notification or the side channel), not at lease expiry.
+    assert release_problems(scenario, result) == []
 
 
 def test_each_worker_may_have_its_own_device():
@@ -72,20 +81,60 @@ def test_per_layer_allocations_and_several_requests(concurrent):
     for worker in result["decode"]:
         assert worker["ok"] and not worker["failed"] and worker["exact"] and worker["untouched_clean"], worker
         assert len(worker["transfer_times_s"]) == 4
-    want = [f"prefill-req-{i}" for i in range(4)]
-    assert sorted((rank, ids, expired) for rank, ids, expired, _ in result["prefill_released"]) == [
-        (str(w), want, 0) for w in scenario.prefill.workers()
-    ]
+    assert release_problems(scenario, result) == []
 
 
 @pytest.mark.nixl
-def test_a_refused_claim_fails_the_load_and_reads_nothing():
-    """The prefill side no longer holds the request (freed, expired): every decode worker's claim is refused, the
-    load fails (vLLM then recomputes) and no byte of the request's blocks is written."""
-    scenario = pp2_to_tp2(held=False)
+def test_the_release_check_notices_a_request_never_freed():
+    """Negative control: the prefill workers also hold a request that nobody loads, and its lease (30 s) outlasts
+    the wait: `release_problems` must name it on every prefill worker, while the loaded request was freed. The
+    same real result with a release removed, or repeated, must be caught too."""
+    scenario = pp2_to_tp2(seed=11, unread=1)
+    result = run_transfer(scenario, timeout_s=60, release_wait_s=2.0)
+    for worker in result["decode"]:
+        assert worker["ok"] and worker["exact"], worker
+    assert [r["released"] for r in result["prefill"]] == [["prefill-req-0"]] * 2
+    problems = release_problems(scenario, result)
+    for rank in ("pp0/tp0", "pp1/tp0"):
+        assert f"prefill worker {rank}: never freed: ['prefill-unread-0']" in problems, problems
+
+    missing = copy.deepcopy(result)  # the same real result, the loaded request's release lost on one worker
+    missing["prefill"][1]["released"] = []
+    want = "prefill worker pp1/tp0: never freed: ['prefill-req-0', 'prefill-unread-0']"
+    assert want in release_problems(scenario, missing)
+    twice = copy.deepcopy(result)  # or reported twice
+    twice["prefill"][0]["released"] *= 2
+    assert "prefill worker pp0/tp0: freed more than once: ['prefill-req-0']" in release_problems(scenario, twice)
+
+
+SHORT_LEASE = BridgeConfig(lease_s=4.0, handshake_timeout_s=5.0, transfer_timeout_s=30.0)
+REFUSALS = {
+    # case: (what the prefill holds / the decode side brings, how the prefill frees the request)
+    # - unheld: nothing held (it was freed, or expired): nothing to free
+    # - prompt_hash: held, but the params name another prompt: the reader's abort (right token) frees it at once
+    # - token: held, but the params carry another token: the abort is refused too, only the lease frees it
+    "unheld": ({"held": False}, None),
+    "prompt_hash": ({"wrong": "prompt_hash"}, "abort"),
+    "token": ({"wrong": "token", "config": SHORT_LEASE}, "expiry"),
+}
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refused_claim_fails_the_load_and_reads_nothing(case):
+    """Every decode worker's claim is refused, the load fails (vLLM then recomputes) and no byte of the request's
+    blocks is written. A held request is still freed exactly once: at once by the reader's abort when the token
+    is right, else only when its lease expires (nobody without the token can free it)."""
+    kw, by = REFUSALS[case]
+    scenario = pp2_to_tp2(**kw)
     result = run_transfer(scenario, timeout_s=60)
     assert len(result["decode"]) == 2
     for worker in result["decode"]:
         assert worker["failed"] and not worker["ok"], worker
         assert not worker["request_blocks_written"] and worker["untouched_clean"], worker
-    assert result["prefill_released"] == []
+    assert release_problems(scenario, result, by=by or "notification") == []
+    assert len(result["prefill"]) == 2
+    for report in result["prefill"]:
+        assert report["released"] == ([] if by is None else ["prefill-req-0"]), report
+        if by != "abort":  # the claims and the aborts (no such request, or no token) reached it and were refused
+            assert report["counts"]["refused"] >= 2 * scenario.decode.workers_per_engine, report

@@ -2,9 +2,10 @@
 
 import pytest
 
-from kvbridge.runtime.decode_worker import TransferStats
+pytest.importorskip("vllm", reason="needs vLLM")  # only vLLM may be missing: a broken kvbridge import fails
 
-stats = pytest.importorskip("kvbridge.vllm.stats", reason="needs vLLM")
+from kvbridge.runtime.decode_worker import TransferStats
+from kvbridge.vllm import stats
 
 
 def test_worker_stats_merge_and_reduce():
@@ -14,8 +15,10 @@ def test_worker_stats_merge_and_reduce():
     )
     b.record(TransferStats(transfers=1, failures=1, bytes=2_000_000, seconds=[6e-3], post_seconds=[2e-3]))
     b.record_expired(1)
+    a.record_leases(aborted=1, refused=2)
     out = a.aggregate(b).reduce()
     assert out["transfers"] == 3 and out["failures"] == 1 and out["descriptors"] == 8 and out["expired_leases"] == 1
+    assert out["aborted_leases"] == 1 and out["refused_messages"] == 2
     assert out["bytes_MB"] == 6.0
     assert out["avg_transfer_ms"] == 4.0 and out["p90_transfer_ms"] == 4.0
     assert out["avg_post_ms"] == 2.0
@@ -23,4 +26,5 @@ def test_worker_stats_merge_and_reduce():
     assert not a.is_empty()
     a.reset()
     assert a.is_empty()
-    assert a.reduce() == {"transfers": 0, "failures": 0, "descriptors": 0, "expired_leases": 0, "bytes_MB": 0.0}
+    zeros = ("transfers", "failures", "descriptors", "expired_leases", "aborted_leases", "refused_messages")
+    assert a.reduce() == {**dict.fromkeys(zeros, 0), "bytes_MB": 0.0}

@@ -1,10 +1,13 @@
 """`kvbridge demo`: a disaggregated prefill/decode deployment on this machine, end to end, in a few minutes.
 
 It builds a tiny model with seeded real weights (or uses --model), starts a prefill vLLM server with PP=2 and
-a decode server with another layout (TP=2 by default), both with kvbridge, on loopback; sends a handful of
-prompts through the PD protocol (prefill leg with max_tokens=1 and do_remote_decode, decode leg with the
-returned kv_transfer_params), and prints one row per request: prompt tokens, TTFT, KV bytes moved and transfer
-time (from the decode server's kvbridge metrics), and whether the output equals a non-disaggregated run.
+a decode server with another layout (TP=2 by default), both with kvbridge, on loopback; warms both up (vLLM
+on CPU prepares its kernels on the first requests, which would make the first TTFT read like a hang: one short
+plain request to each server and one short disaggregated request, not timed); sends a handful of prompts
+through the PD protocol (prefill leg with max_tokens=1 and do_remote_decode, decode leg with the returned
+kv_transfer_params), and prints one row per request: prompt tokens, TTFT, KV bytes moved and transfer time (from
+the decode server's kvbridge metrics), and whether the output equals a non-disaggregated run. It ends with one
+summary line: requests, how many equal the aggregated run, median TTFT, KV moved in all and its rate.
 Every process it started is stopped on success, failure and Ctrl-C.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -110,6 +114,34 @@ def _wait_metrics(url: str, before: tuple[float, float, float], timeout: float =
     return now
 
 
+def _warm_up(prefill: VllmServer, decode: VllmServer, rng: random.Random) -> float:
+    """One short plain request to each server and one short disaggregated request (which also makes the decode
+    side's first handshake), each with its own prompt; returns the seconds it took. Waits until the decode
+    server's metrics show the warm-up's transfer, so that no timed row counts its bytes."""
+    start = time.monotonic()
+    plain_p, plain_d, pd = ([rng.randrange(1, 1000) for _ in range(48)] for _ in range(3))
+    complete(prefill.url, plain_p, 2, timeout=600)
+    complete(decode.url, plain_d, 2, timeout=600)
+    before = _kv_metrics(decode.url)
+    first = complete(prefill.url, pd, 1, kv_transfer_params={"do_remote_decode": True}, timeout=600)
+    complete_streaming(decode.url, pd, 2, kv_transfer_params=first["kv_transfer_params"], timeout=600)
+    _wait_metrics(decode.url, before)
+    return time.monotonic() - start
+
+
+def summary(rows: list[tuple[float, float, float, bool]]) -> str:
+    """The closing line, from each timed request's (TTFT s, KV bytes moved, transfer s, output equal)."""
+    ttft = statistics.median(r[0] for r in rows) if rows else 0.0
+    moved, xfer_s = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    equal = sum(r[3] for r in rows)
+    rate = moved / xfer_s / 1e9 if xfer_s > 0 else 0.0
+    line = (
+        f"summary: {len(rows)} requests, {equal} of {len(rows)} equal the aggregated run, median TTFT "
+        f"{1000 * ttft:.1f} ms, {moved / 2**20:.2f} MiB of KV moved at {rate:.2f} GB/s"
+    )
+    return line if equal == len(rows) else line + "; SOME OUTPUTS DIFFER"
+
+
 def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -125,13 +157,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting prefill ({prefill_layout}) and decode ({decode_layout}) vLLM servers; logs in {workdir}")
     with prefill, decode:  # entering starts them; leaving stops them, also on errors and Ctrl-C
         _wait_all([prefill, decode], args.startup_timeout)
-        print(f"ready: prefill {prefill.url}, decode {decode.url}\n", flush=True)
+        print(f"ready: prefill {prefill.url}, decode {decode.url}", flush=True)
+        print("warming up both servers (vLLM prepares its kernels on the first requests; not timed) ...", flush=True)
+        print(f"warmed up in {_warm_up(prefill, decode, random.Random(1)):.1f} s\n", flush=True)
         rng = random.Random(0)
         header = f"{'req':>3} {'prompt':>6} {'TTFT ms':>8} {'prefill ms':>10} {'KV MiB':>7} {'xfer ms':>8} {'GB/s':>6}"
         header += "  output = aggregated"
         print(header)
         print("-" * len(header))
-        all_equal = True
+        rows: list[tuple[float, float, float, bool]] = []
         for i in range(args.requests):
             prompt = [rng.randrange(1, 1000) for _ in range(rng.randrange(64, 700))]
             before = _kv_metrics(decode.url)
@@ -146,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             moved, xfer_s = after[0] - before[0], after[1] - before[1]
             reference = complete(prefill.url, prompt, args.max_tokens)["choices"][0]["token_ids"]
             equal = tokens == reference
-            all_equal &= equal
+            rows.append((ttft, moved, xfer_s, equal))
             gbps = moved / xfer_s / 1e9 if xfer_s > 0 else 0.0
             print(
                 f"{i:>3} {len(prompt):>6} {1000 * ttft:>8.1f} {1000 * prefill_s:>10.1f} {moved / 2**20:>7.2f} "
@@ -157,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
             "\nTTFT = prefill leg + decode leg to its first token; KV MiB and xfer ms: the decode server's "
             "vllm:kvbridge_bytes_total and vllm:kvbridge_transfer_seconds (summed over its workers)."
         )
-        print("all outputs equal the aggregated run" if all_equal else "SOME OUTPUTS DIFFER", flush=True)
-        return 0 if all_equal else 1
+        print(summary(rows), flush=True)
+        return 0 if all(r[3] for r in rows) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,11 @@
 One process per prefill worker and one per decode worker, each with its own NIXL agent. Every process
 derives the same reference KV for the whole model from a seed; prefill workers fill their stage's layers and
 their heads into vLLM's CPU layout, the decode workers handshake, read one request's scattered blocks through
-the plan and check every byte they hold against the reference. The prefill workers report when every reader
-has notified them. This is what the connector does inside vLLM, minus vLLM.
+the plan and check every byte they hold against the reference. Each request has its own token and prompt hash,
+in the prefill worker's hold and in the decode side's params, as the connector passes them. The prefill workers
+report every request they free, how (readers' notifications, aborts, lease expiry) and their lease counters,
+after the decode workers have exited; `release_problems` checks that against what was held. This is what the
+connector does inside vLLM, minus vLLM.
 
 With `prefill_device`/`decode_device` set to CUDA devices the buffers live in GPU memory: NIXL registers VRAM,
 and a decode worker on the same host reads through CUDA IPC with the gather kernel (config.gpu_peer_copy). A
@@ -14,6 +17,7 @@ comma-separated list gives each worker its own device, in worker order (one GPU 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import multiprocessing as mp
 import os
 import queue
@@ -43,6 +47,12 @@ class Scenario:
     concurrent: int = 1  # after the first request: how many loads a decode worker keeps in flight at once
     layer_tensors: bool = False  # one KV allocation per layer (vLLM on GPU) instead of one for all layers
     held: bool = True  # False: the prefill side holds no request (it was freed), so every claim is refused
+    wrong: str = ""  # "token" or "prompt_hash": the decode side's params carry another one, so every claim is refused
+    unread: int = 0  # more requests held that no decode worker loads: never released before their lease expires
+
+    def __post_init__(self) -> None:
+        if self.wrong not in ("", "token", "prompt_hash"):
+            raise ValueError(f"wrong must be '', 'token' or 'prompt_hash', got {self.wrong!r}")
 
     def device(self, side: str, rank: WorkerRank) -> str:
         """The device of worker `rank` of the "prefill" or "decode" side."""
@@ -107,8 +117,35 @@ def _worker_kv(scenario: Scenario, layout: ParallelLayout, rank: WorkerRank, fil
 
 
 def request_ids(scenario: Scenario) -> list[str]:
-    """The prefill engine's requests, one per repeat, all on the same blocks."""
+    """The prefill engine's requests that the decode workers load, one per repeat, all on the same blocks."""
     return [f"prefill-req-{i}" for i in range(scenario.repeats)]
+
+
+def held_ids(scenario: Scenario) -> list[str]:
+    """What every prefill worker holds: the loaded requests and the unread ones (nothing if not `held`)."""
+    if not scenario.held:
+        return []
+    return request_ids(scenario) + [f"prefill-unread-{i}" for i in range(scenario.unread)]
+
+
+def request_secrets(scenario: Scenario, request_id: str) -> tuple[str, str]:
+    """(token, prompt hash) of a request, the same in every process (derived from the seed and the id)."""
+    from kvbridge.wire.params import prompt_hash
+
+    token = hashlib.sha256(f"kvbridge-scenario/{scenario.seed}/{request_id}".encode()).hexdigest()[:32]
+    return token, prompt_hash([scenario.seed, *request_id.encode()])
+
+
+def _params(scenario: Scenario, source, request_id: str):
+    """The decode side's kv_transfer_params for one request (with a wrong token or prompt hash if asked)."""
+    import msgspec
+
+    token, digest = request_secrets(scenario, request_id)
+    if scenario.wrong == "token":
+        token = token[::-1]
+    elif scenario.wrong == "prompt_hash":
+        digest = digest[::-1]
+    return msgspec.structs.replace(source, remote_request_id=request_id, remote_token=token, remote_prompt_hash=digest)
 
 
 def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
@@ -127,15 +164,28 @@ def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
         ipc = tuple(export_region(r) for r in regions)
     worker = PrefillWorker(ident, memory, config, "VRAM" if cuda else "DRAM", ipc=ipc).start()
     try:
-        for request_id in request_ids(scenario) if scenario.held else ():
-            worker.hold(request_id, tuple(scenario.blocks()[0]))
+        blocks = tuple(scenario.blocks()[0])
+        for request_id in held_ids(scenario):
+            token, digest = request_secrets(scenario, request_id)
+            worker.hold(request_id, blocks, token, digest)
         ready.put(("ready", str(rank)))
         start = time.monotonic()
-        while not stop.is_set():
-            ids, expired = worker.finished()
+        released: list[str] = []  # in the order freed; a request freed twice appears twice
+        expired = 0
+        at = None
+        while True:
+            last = stop.is_set()  # one more round after the stop: nothing freed until then is lost
+            ids, n = worker.finished()
             if ids:
-                finished.put((str(rank), sorted(ids), expired, time.monotonic() - start))
+                at = time.monotonic() - start
+                released += sorted(ids)
+                expired += n
+                finished.put(("released", str(rank), sorted(ids)))
+            if last:
+                break
             time.sleep(0.01)
+        report = {"released": released, "expired": expired, "at": at, "counts": worker.lease_counts()}
+        finished.put(("final", str(rank), report))
     finally:
         worker.close()
         del tensors, regions
@@ -143,7 +193,6 @@ def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
 
 def _decode_main(scenario, rank, config, source, results, warm_barrier):
     os.environ.update(_env(scenario))
-    import msgspec
     import torch
 
     from kvbridge.core.identity import WorkerIdentity
@@ -177,7 +226,7 @@ def _decode_main(scenario, rank, config, source, results, warm_barrier):
                 warm_start = time.monotonic()
             limit = 1 if not finished else scenario.concurrent
             while submitted < len(ids) and submitted - finished < limit:
-                job_source = msgspec.structs.replace(source, remote_request_id=ids[submitted])
+                job_source = _params(scenario, source, ids[submitted])
                 worker.load(LoadJob(f"decode-req-{submitted}", job_source, tuple(dst), tuple(src)))
                 submitted += 1
             d, f, s = worker.results()
@@ -224,8 +273,15 @@ def _decode_main(scenario, rank, config, source, results, warm_barrier):
         worker.close()
 
 
-def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
-    """Run one request through real processes; return per-worker results and the prefill completions."""
+def run_transfer(scenario: Scenario, timeout_s: float = 120.0, release_wait_s: float | None = None) -> dict:
+    """Run the scenario's requests through real processes; return per-worker results and what the prefill freed.
+
+    Returns {"decode": one result per decode worker, "prefill": one report per prefill worker (see below),
+    "prefill_released": (rank, sorted ids freed, how many at lease expiry, seconds until the last) per prefill
+    worker that freed anything}. A prefill worker's report: {"prefill_worker", "held" (ids), "released" (ids in
+    the order freed, repeats kept), "expired", "at", "counts" (`PrefillWorker.lease_counts()`)}, made after every
+    decode process has exited (so every notification and abort it sent was answered) and once every held request
+    was freed or `release_wait_s` (default: until the timeout) passed; a worker that sent none is missing."""
     from kvbridge.wire.params import PrefillDone
 
     ctx = mp.get_context("spawn")
@@ -240,7 +296,7 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
     src, _ = scenario.blocks()
     source = PrefillDone(
         remote_engine_id="demo-prefill",
-        remote_request_id="",  # set per request
+        remote_request_id="",  # set per request, with its token and prompt hash
         remote_block_ids=src,
         remote_host="127.0.0.1",
         remote_port=base,
@@ -248,6 +304,7 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
         tp_size=scenario.prefill.tp,
         pp_size=scenario.prefill.pp,
     )
+    prefill_ranks = [str(r) for r in scenario.prefill.workers()]
     procs: list = []
     try:
         for rank in scenario.prefill.workers():
@@ -261,31 +318,43 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout_s
         for _ in scenario.prefill.workers():
             ready.get(timeout=max(1.0, deadline - time.monotonic()))
+        decoders = []
         for rank in scenario.decode.workers():
             p = ctx.Process(
                 target=_decode_main, args=(scenario, rank, config, source, results, warm_barrier), daemon=True
             )
             p.start()
-            procs.append(p)
+            decoders.append(p)
+        procs += decoders
         decoded = [results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in scenario.decode.workers()]
-        # Per prefill worker: (rank, every request it freed, how many at lease expiry, seconds until the last).
-        released: dict[str, tuple[str, list[str], int, float]] = {}
-        everything = set(request_ids(scenario))
+        for p in decoders:  # closing, a decode worker sends its last notifications and aborts and waits for answers
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        held = set(held_ids(scenario))
+        freed: dict[str, set[str]] = {rank: set() for rank in prefill_ranks}
+        reports: dict[str, dict] = {}
+        wait_until = deadline if release_wait_s is None else min(deadline, time.monotonic() + release_wait_s)
 
-        def complete() -> bool:
-            return len(released) == scenario.prefill.workers_per_engine and all(
-                set(ids) == everything for _, ids, _, _ in released.values()
-            )
+        def take(item: tuple) -> None:
+            kind, rank, body = item
+            if kind == "released":
+                freed[rank] |= set(body)
+            else:
+                reports[rank] = {"prefill_worker": rank, "held": sorted(held), **body}
 
-        while scenario.held and not complete() and time.monotonic() < deadline:
-            try:
-                rank, ids, expired, at = finished.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            _, before, before_expired, _ = released.get(rank, (rank, [], 0, 0.0))
-            released[rank] = (rank, sorted({*before, *ids}), before_expired + expired, at)
+        while any(not held <= ids for ids in freed.values()) and time.monotonic() < wait_until:
+            with contextlib.suppress(queue.Empty):
+                take(finished.get(timeout=max(0.01, min(1.0, wait_until - time.monotonic()))))
+        stop.set()
+        report_deadline = time.monotonic() + 15
+        while len(reports) < len(prefill_ranks) and time.monotonic() < report_deadline:
+            with contextlib.suppress(queue.Empty):
+                take(finished.get(timeout=1.0))
         decoded.sort(key=lambda r: r["decode_worker"])
-        return {"decode": decoded, "prefill_released": list(released.values())}
+        prefill = [reports[rank] for rank in sorted(reports)]
+        released = [
+            (r["prefill_worker"], sorted(r["released"]), r["expired"], r["at"]) for r in prefill if r["released"]
+        ]
+        return {"decode": decoded, "prefill": prefill, "prefill_released": released}
     finally:
         stop.set()
         for p in procs:
@@ -293,3 +362,36 @@ def run_transfer(scenario: Scenario, timeout_s: float = 120.0) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+def release_problems(scenario: Scenario, result: dict, by: str = "notification") -> list[str]:
+    """What is wrong with how the prefill workers freed their requests ([] if nothing): every prefill worker must
+    have reported, freed every request it held exactly once and nothing else, each of them `by` "notification"
+    (every reader said it is done), "abort" (a reader gave up) or "expiry" (the lease ran out)."""
+    if by not in ("notification", "abort", "expiry"):
+        raise ValueError(f"by must be 'notification', 'abort' or 'expiry', got {by!r}")
+    held = held_ids(scenario)
+    reports = {r["prefill_worker"]: r for r in result["prefill"]}
+    problems = []
+    for rank in (str(w) for w in scenario.prefill.workers()):
+        report = reports.get(rank)
+        if report is None:
+            problems.append(f"prefill worker {rank} sent no report")
+            continue
+        released = report["released"]
+        never = sorted(set(held) - set(released))
+        twice = sorted({i for i in released if released.count(i) > 1})
+        stray = sorted(set(released) - set(held))
+        for what, ids in (("never freed", never), ("freed more than once", twice), ("freed but never held", stray)):
+            if ids:
+                problems.append(f"prefill worker {rank}: {what}: {ids}")
+        c, n = report["counts"], len(held)
+        want = {
+            "notification": {"completed": n, "aborted": 0, "expired": 0},
+            "abort": {"completed": n, "aborted": n, "expired": 0},
+            "expiry": {"completed": 0, "aborted": 0, "expired": n},
+        }[by]
+        got = {key: c[key] for key in want}
+        if got != want or report["expired"] != c["expired"] or c["held"] != 0:
+            problems.append(f"prefill worker {rank}: freed by {by} expected {want} (and none left held), got {c}")
+    return problems
