@@ -36,6 +36,14 @@ def test_a_sealed_request_opens_once_and_its_answer_only_for_it():
     assert client.open_answer(answer, other_nonce) is None  # not the answer to that request
 
 
+def test_a_request_sealed_for_one_worker_is_not_taken_by_another():
+    """A frame captured on its way to one prefill worker (port 5600) and replayed to another (5601) is dropped."""
+    clock = Clock()
+    frame, _ = Sealer(KEY, clock=clock).seal_request(b"hello", 5600)
+    assert Sealer(KEY, clock=clock).open_request(frame, 5601) is None
+    assert Sealer(KEY, clock=clock).open_request(frame, 5600) is not None
+
+
 def test_frames_not_sealed_with_the_key_are_dropped_and_counted():
     clock = Clock()
     server = Sealer(KEY, clock=clock)
@@ -63,7 +71,7 @@ def test_seen_nonces_are_forgotten_after_the_window_and_bounded():
     for _ in range(3):
         assert server.open_request(client.seal_request(b"x")[0]) is not None
     assert server.open_request(client.seal_request(b"x")[0]) is None  # full: refused, not forgotten
-    clock.now += 61
+    clock.now += 31
     assert server.open_request(client.seal_request(b"x")[0]) is not None
     assert len(server._seen) == 1
 

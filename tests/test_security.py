@@ -153,7 +153,7 @@ def test_a_replayed_claim_is_not_answered(keyed):
     claim = wire.Claim(
         request_id="r", block_ids=(1,), engine_id="d", worker=wire.Worker(), token="tok", prompt_hash="h"
     )
-    frame, _ = sealer.seal_request(wire.encode(claim))
+    frame, _ = sealer.seal_request(wire.encode(claim), keyed.port)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{keyed.port}")

@@ -41,6 +41,7 @@ class _Entry:
     expiry: float
     reader: str | None = None  # the decode engine that claimed it
     read_until: float | None = None
+    first_claim: float | None = None
     expected: int | None = None
     readers: set[str] = field(default_factory=set)
 
@@ -104,7 +105,10 @@ class LeaseBook:
             self.refused_total += 1
             return "other_reader"
         entry.reader = reader
-        until = now + min(max(read_s, 1.0), MAX_READ_S) + READ_MARGIN_S
+        if entry.first_claim is None:
+            entry.first_claim = now
+        # each claim of the reader's workers may extend the pin, never past MAX_READ_S after the first claim
+        until = min(now + min(max(read_s, 1.0), MAX_READ_S), entry.first_claim + MAX_READ_S) + READ_MARGIN_S
         entry.read_until = max(entry.read_until or until, until)
         return None
 
@@ -120,8 +124,10 @@ class LeaseBook:
                 self.refused_total += 1
                 return False
             early = self._early[request_id] = _Early(now)
-        if len(early.notes) < 64:
-            early.notes.append((token, engine, worker, expected))
+        if len(early.notes) >= 64:
+            self.refused_total += 1
+            return False
+        early.notes.append((token, engine, worker, expected))
         return True
 
     def abort(self, request_id: str, token: str) -> bool:
@@ -141,7 +147,7 @@ class LeaseBook:
             return False
         entry.reader = engine
         entry.readers.add(worker)
-        entry.expected = expected
+        entry.expected = max(entry.expected or 0, expected)  # one worker cannot lower what the others must send
         return True
 
     def _lapsed(self, entry: _Entry, now: float) -> bool:

@@ -24,6 +24,7 @@ Nothing here raises into the engine.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -38,11 +39,17 @@ import numpy as np
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.descriptors import block_lists, worker_descriptors
-from kvbridge.core.errors import KVBridgeError, RequestParamsError, TransferError, TransferTimeout
+from kvbridge.core.errors import (
+    IncompatiblePeerError,
+    KVBridgeError,
+    RequestParamsError,
+    TransferError,
+    TransferTimeout,
+)
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.topology import WorkerRank
-from kvbridge.runtime.peers import Engine, PeerBook, address
+from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key
 from kvbridge.runtime.prefill_worker import transport_config
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, Transfer
 from kvbridge.wire import messages as wire
@@ -55,6 +62,9 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+PER_ENGINE = 4
+"""Claim steps of one prefill engine on control threads at once (a slow engine must not take them all)."""
 
 CLAIM_WINDOW_S = 2.0
 """How long a claim refused as `not_held` is retried: the prefill side learns of a hold one engine step after the
@@ -147,6 +157,8 @@ class DecodeWorker:
         self._launched: queue.Queue[_Load | None] = queue.Queue()  # kernels queued, in launch order (one stream)
         self._notes: queue.Queue[tuple[wire.Message, LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
         self._pending = 0  # jobs accepted and not yet reported (for tests and shutdown)
+        self._claiming: dict = {}  # engine key -> claim steps on control threads (under _lock)
+        self._backlog: dict = {}  # engine key -> loads waiting for one of them
         self._threads: list[threading.Thread] = []
 
     def start(self) -> DecodeWorker:
@@ -190,7 +202,7 @@ class DecodeWorker:
         with self._lock:
             self._pending += 1
         future = self.peers.connect(job.source)
-        future.add_done_callback(lambda f: self._pool.submit(self._claim_step, load, f))
+        future.add_done_callback(lambda f: self._admit(load, f))
 
     def results(self) -> tuple[set[str], set[str], TransferStats]:
         """(ids loaded, ids that failed, stats) since the last call; failed ids are not in the loaded set.
@@ -244,6 +256,35 @@ class DecodeWorker:
             with self._lock:
                 self._clients.append(client)
         return client
+
+    def _admit(self, load: _Load, connected: Future[Engine]) -> None:
+        """Run the load's claim on a control thread, at most PER_ENGINE at once per engine: a slow engine's claims
+        wait in its own backlog, never in front of other engines' (they hold control threads while they wait)."""
+        key = engine_key(load.job.source)
+        with self._lock:
+            running = self._claiming.get(key, 0)
+            if running >= PER_ENGINE:
+                self._backlog.setdefault(key, collections.deque()).append((load, connected))
+                return
+            self._claiming[key] = running + 1
+        self._pool.submit(self._claim_then_next, key, load, connected)
+
+    def _claim_then_next(self, key, load: _Load, connected: Future[Engine]) -> None:
+        try:
+            self._claim_step(load, connected)
+        finally:
+            with self._lock:
+                backlog = self._backlog.get(key)
+                nxt = backlog.popleft() if backlog else None
+                if backlog is not None and not backlog:
+                    del self._backlog[key]
+                if nxt is None:
+                    self._claiming[key] -= 1
+                    if not self._claiming[key]:
+                        del self._claiming[key]
+            if nxt is not None:
+                with contextlib.suppress(RuntimeError):  # shut down meanwhile
+                    self._pool.submit(self._claim_then_next, key, *nxt)
 
     def _claim_step(self, load: _Load, connected: Future[Engine], retried: bool = False) -> None:
         """Control thread: the engine is connected (or failed); claim the request on the workers read."""
@@ -458,6 +499,9 @@ class DecodeWorker:
             engine.kernels = None  # the last reference to its IPC mappings
 
     def _add_agent(self, metadata: bytes, name: str) -> str:
+        owner = self.peers.owner_of(name)
+        if owner is not None:  # another engine at another address answers under the same name: never replace it
+            raise IncompatiblePeerError("agent_name", f"{name} of the engine at {owner[1]}:{owner[2]}", name)
         with self._nixl:
             if name in self.transport.peers:  # a restarted worker under the same name: its old agent goes
                 with contextlib.suppress(KVBridgeError):
@@ -599,4 +643,5 @@ class DecodeWorker:
 def _peer_broken(error: str) -> bool:
     """Whether an error says the peer itself is gone (not just this request's blocks or claim)."""
     text = error.lower()
-    return any(word in text for word in ("disconnect", "remote", "connection", "unreachable", "peer"))
+    words = ("disconnect", "remote", "connection", "unreachable", "peer", "not_found", "not found")
+    return any(word in text for word in words)

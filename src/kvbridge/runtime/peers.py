@@ -239,6 +239,14 @@ class PeerBook:
             engine.peers = {r: p for r, p in engine.peers.items() if p.agent not in live}
         return idle
 
+    def owner_of(self, agent: str) -> EngineKey | None:
+        """The cached engine whose worker loads as NIXL agent `agent`, if any."""
+        with self._lock:
+            for key, engine in self._engines.items():
+                if any(p.agent == agent for p in engine.peers.values()):
+                    return key
+        return None
+
     def is_dead(self, source: PrefillDone) -> bool:
         """Whether the engine's handshake failed lately (messages to it are not worth a timeout now)."""
         with self._lock:

@@ -110,15 +110,15 @@ class SchedulerSide:
         """Everything that can be known before a connection: the params are this prompt's, signed, fresh, used
         once, with sane sizes (ParamsRefused otherwise)."""
         now = time.time()
-        if self.config.check_prompt:
-            check_binding(
-                source,
-                request.prompt_token_ids or (),
-                key=self.key,
-                now=now,
-                max_workers=self.config.max_remote_workers,
-                window_s=self.config.auth_window_s,
-            )
+        check_binding(
+            source,
+            request.prompt_token_ids or (),
+            key=self.key,
+            now=now,
+            max_workers=self.config.max_remote_workers,
+            window_s=self.config.auth_window_s,
+            check_prompt=self.config.check_prompt,
+        )
         while self._seen and next(iter(self._seen.values()))[1] + self.config.auth_window_s < now:
             self._seen.popitem(last=False)
         seen = self._seen.get((source.remote_engine_id, source.remote_request_id))
@@ -138,6 +138,9 @@ class SchedulerSide:
         except RequestParamsError:
             return None
         if self.key is not None and not source.verify(self.key):
+            return None
+        layout = source.layout
+        if layout.dp * layout.workers_per_engine > self.config.max_remote_workers:
             return None
         if (source.remote_engine_id, source.remote_request_id) in self._refused_keys:
             return None  # refused here (another prompt's, a replay): its owner may still read it

@@ -11,7 +11,8 @@ A sealed frame is
 
     b"KVB1" | timestamp (8 bytes, ms, big-endian) | nonce (16 bytes) | mac (32 bytes) | body
 
-with mac = HMAC(key, domain | kind | timestamp | nonce | body). A request (kind Q) carries a fresh random nonce;
+with mac = HMAC(key, domain | kind | destination | timestamp | nonce | body). A request (kind Q) carries a fresh
+random nonce and names the port it is sent to (a frame captured on its way to one worker is not taken by another);
 its answer (kind A) carries the request's nonce, so an answer can only be taken for the request it answers.
 The server accepts a request once: its timestamp must be within `window_s` of the server's clock, and its nonce
 unseen in that window (seen nonces are remembered for the window, a bounded number of them). Everything that
@@ -66,7 +67,7 @@ class Sealer:
         key: bytes,
         *,
         window_s: float = 30.0,
-        max_nonces: int = 65536,
+        max_nonces: int = 1 << 18,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._key = check_key(key)
@@ -84,6 +85,7 @@ class Sealer:
         return MAGIC + ts + nonce + self._mac(kind, ts, nonce, body) + body
 
     def _open(self, kind: bytes, frame: bytes) -> tuple[bytes, bytes, float] | None:
+        """(body, nonce, timestamp); `kind` includes the destination for requests."""
         """(body, nonce, timestamp) if the frame is sealed with our key, else None (counted)."""
         if len(frame) < _HEADER or not frame.startswith(MAGIC):
             self.dropped["unauthenticated"] += 1
@@ -95,14 +97,14 @@ class Sealer:
             return None
         return body, nonce, int.from_bytes(ts, "big") / 1000
 
-    def seal_request(self, body: bytes) -> tuple[bytes, bytes]:
-        """(frame, nonce): keep the nonce to open the answer."""
+    def seal_request(self, body: bytes, dest: int = 0) -> tuple[bytes, bytes]:
+        """(frame, nonce) of a request to the side channel on port `dest`: keep the nonce to open the answer."""
         nonce = secrets.token_bytes(16)
-        return self._seal(b"Q", nonce, body), nonce
+        return self._seal(b"Q%d|" % dest, nonce, body), nonce
 
-    def open_request(self, frame: bytes) -> tuple[bytes, bytes] | None:
-        """(body, nonce) of an authentic, fresh, first-seen request; None otherwise (drop it)."""
-        opened = self._open(b"Q", frame)
+    def open_request(self, frame: bytes, dest: int = 0) -> tuple[bytes, bytes] | None:
+        """(body, nonce) of an authentic, fresh, first-seen request to port `dest`; None otherwise (drop it)."""
+        opened = self._open(b"Q%d|" % dest, frame)
         if opened is None:
             return None
         body, nonce, ts = opened
@@ -118,7 +120,7 @@ class Sealer:
         if len(self._seen) >= self.max_nonces:  # only key holders get here: refuse rather than forget
             self.dropped["overloaded"] += 1
             return None
-        self._seen[nonce] = now + 2 * self.window_s
+        self._seen[nonce] = ts + self.window_s  # older frames are refused as stale from then on
         return body, nonce
 
     def seal_answer(self, body: bytes, nonce: bytes) -> bytes:

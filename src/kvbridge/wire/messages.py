@@ -39,6 +39,9 @@ without it; claims pin the request for the read."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+Id = Annotated[str, msgspec.Meta(max_length=512)]
+"""Request and engine ids: bounded, so that nothing a peer sends is kept at any size."""
+Secret = Annotated[str, msgspec.Meta(max_length=64)]
 Planes = Annotated[int, msgspec.Meta(ge=1, le=2)]
 
 
@@ -358,12 +361,12 @@ class Notify(_Message, tag="notify", kw_only=True):
     Notifications may be retried, so handlers must treat a repeated one as a no-op.
     """
 
-    request_id: str
-    engine_id: str
+    request_id: Id
+    engine_id: Id
     worker: Worker
     expected: Positive = 1
     """How many notifications the prefill worker gets for this request in all (one per decode worker)."""
-    token: str = ""
+    token: Secret = ""
     """The request's secret token (from its kv_transfer_params): without it a notification frees nothing."""
 
 
@@ -375,12 +378,12 @@ class Claim(_Message, tag="claim", kw_only=True):
     pins the request for this decode engine for `read_timeout_s` (plus a margin): no lease expiry under the read.
     """
 
-    request_id: str
-    block_ids: tuple[NonNegative, ...]
-    engine_id: str
+    request_id: Id
+    block_ids: Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=1 << 16)]
+    engine_id: Id
     worker: Worker
-    token: str = ""
-    prompt_hash: str = ""
+    token: Secret = ""
+    prompt_hash: Secret = ""
     read_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
@@ -388,11 +391,11 @@ class Abort(_Message, tag="abort", kw_only=True):
     """Decode worker (or the proxy) -> prefill worker: `request_id` will not be read (the load failed, timed
     out or was cancelled, or the decode leg never happened): free its blocks now. Needs the request's token."""
 
-    request_id: str
-    engine_id: str
+    request_id: Id
+    engine_id: Id
     worker: Worker
-    reason: str = ""
-    token: str = ""
+    reason: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    token: Secret = ""
 
 
 class Ack(_Message, tag="ack", kw_only=True):

@@ -46,6 +46,9 @@ from kvbridge.wire import auth
 from kvbridge.wire.messages import PROTOCOL_VERSION
 
 _SIGNED = b"kv_transfer_params-v1"
+MAX_WORKERS = 65536
+"""No parsed params name a larger prefill layout (the config's max_remote_workers is usually far smaller)."""
+MAX_BLOCKS = 1 << 20
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -105,10 +108,12 @@ def check_binding(
     now: float,
     max_workers: int,
     window_s: float = 30.0,
+    check_prompt: bool = True,
 ) -> None:
     """Raise ParamsRefused (its `reason` is the metric label) unless `done` may be loaded for this prompt: signed
     with `key` (when there is one), not expired, a layout within `max_workers`, and computed for exactly these
-    tokens. Nothing here connects anywhere or allocates anything."""
+    tokens (`check_prompt` False skips only that last comparison: the tests' negative control). Nothing here
+    connects anywhere or allocates anything."""
     if key is not None:
         if not done.kvbridge_sig:
             raise ParamsRefused("unsigned", "kv_transfer_params: kvbridge_sig is missing (this decode has a key)")
@@ -122,6 +127,8 @@ def check_binding(
         raise ParamsRefused(
             "layout", f"kv_transfer_params: remote_layout {layout} has more than max_remote_workers={max_workers}"
         )
+    if not check_prompt:
+        return
     if done.remote_num_tokens != len(prompt_token_ids):
         raise ParamsRefused(
             "prompt_length",
@@ -167,6 +174,10 @@ def parse_prefill_done(params: dict[str, Any]) -> PrefillDone:
         layout = done.layout
     except LayoutError as exc:
         raise RequestParamsError(f"kv_transfer_params: remote_layout: {exc}") from None
+    if layout.dp * layout.workers_per_engine > MAX_WORKERS:  # before anything enumerates the workers
+        raise RequestParamsError(f"kv_transfer_params: remote_layout {layout} has more than {MAX_WORKERS} workers")
+    if len(done.remote_block_ids) > MAX_BLOCKS or len(done.remote_token) > 64 or len(done.remote_host) > 256:
+        raise RequestParamsError("kv_transfer_params: remote_block_ids, remote_token or remote_host too long")
     if done.remote_dp_rank >= layout.dp and layout.dp > 1:
         raise RequestParamsError(
             f"kv_transfer_params: remote_dp_rank {done.remote_dp_rank} is outside the layout's dp={layout.dp}"

@@ -138,14 +138,16 @@ def respond(data: bytes, handler: Handler) -> bytes:
         return wire.encode(wire.ErrorReply(message=f"internal error on {type(message).__name__}: {exc!r}"))
 
 
-def _answer_frames(frames: list[bytes], handler: Handler, sealer: Sealer | None = None) -> list[bytes] | None:
+def _answer_frames(
+    frames: list[bytes], handler: Handler, sealer: Sealer | None = None, port: int = 0
+) -> list[bytes] | None:
     """The frames a ROUTER sends back for received `frames` (identity, [empty delimiter], body); None: send
     nothing (with a key: the frame is not authentic, or a replay; `sealer.dropped` counts why)."""
     # A REQ peer (or a DEALER imitating one) puts an empty delimiter after its identity; a DEALER need not.
     split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
     envelope, body = frames[:split], frames[split:]
     if sealer is not None:
-        opened = sealer.open_request(body[0]) if len(body) == 1 else None
+        opened = sealer.open_request(body[0], port) if len(body) == 1 else None
         if opened is None:
             if len(body) != 1:
                 sealer.dropped["unauthenticated"] += 1
@@ -259,7 +261,7 @@ class SideChannelServer:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    answer = _answer_frames(frames, self.handler, self.sealer)
+                    answer = _answer_frames(frames, self.handler, self.sealer, self.port)
                     if answer is None:
                         continue
                     try:
@@ -304,7 +306,7 @@ def exchange(
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
         try:
-            frame, nonce = sealer.seal_request(payload) if sealer else (payload, b"")
+            frame, nonce = sealer.seal_request(payload, port) if sealer else (payload, b"")
             try:
                 sock.send(frame)
             except zmq.Again:
@@ -360,7 +362,8 @@ class SideChannelClient:
             for address in pending:
                 try:
                     sock = self._socket(address, timeout_ms, polling.values())
-                    frame, nonces[address] = self.sealer.seal_request(payload) if self.sealer else (payload, b"")
+                    port = int(address.rsplit(":", 1)[1])
+                    frame, nonces[address] = self.sealer.seal_request(payload, port) if self.sealer else (payload, b"")
                     sock.send(frame)
                     polling[sock] = address
                 except zmq.Again:  # its queue is full: a new socket next attempt
