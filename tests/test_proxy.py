@@ -4,6 +4,10 @@ Three layers: the balancer and the request bodies as pure code; the proxy over H
 backends (raw ASGI apps under uvicorn, in threads, on 127.0.0.1) that record what they receive and notice
 disconnects; and one test with real vLLM servers (a prefill server pp=2 and a decode server pp=1 started with
 `kvbridge serve`) behind the `kvbridge proxy` command.
+
+The fakes and helpers here are shared by test_proxy_fanout.py (lists of prompts, n, merged streams),
+test_proxy_release.py (prefill KV released when its decode leg fails) and test_proxy_bounds.py (limits for
+clients); test_openai_client.py runs the official client against real servers.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kvbridge.serving.launcher import (
     metrics,
 )
 from kvbridge.serving.proxy import (
+    Backend,
     Balancer,
     NoBackendError,
     Proxy,
@@ -47,6 +52,7 @@ from kvbridge.serving.proxy import (
     decode_body,
     prefill_body,
     socket_url,
+    uvicorn_config,
 )
 from kvbridge.serving.tiny_model import build_tiny_model
 
@@ -143,12 +149,14 @@ def test_config_is_validated():
 
 
 class ServerThread:
-    """An ASGI app under uvicorn on 127.0.0.1, in a daemon thread."""
+    """An ASGI app under uvicorn on 127.0.0.1, in a daemon thread; `config`: uvicorn settings of its own (the
+    proxy's, from `uvicorn_config`)."""
 
-    def __init__(self, app: Any, port: int = 0) -> None:
+    def __init__(self, app: Any, port: int = 0, config: uvicorn.Config | None = None) -> None:
         self.sock = bind_socket("127.0.0.1", port)
         self.url = socket_url(self.sock)
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+        if config is None:
+            config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -166,10 +174,18 @@ class ServerThread:
         self.sock.close()
 
 
+def prompt_key(body: dict[str, Any]) -> str:
+    """What a leg's prompt is, as one string (the fakes' way of checking which prompt a leg carries)."""
+    return json.dumps(body.get("prompt", body.get("messages")), sort_keys=True)
+
+
 class FakeBackend:
-    """A vLLM stand-in. A request with kv_transfer_params.do_remote_decode is a prefill leg (answered with
-    kv_transfer_params naming this backend); any other request is answered with `tokens`, as SSE when asked
-    to stream (one chunk every `chunk_delay` s). It records every request body and notices disconnects."""
+    """A vLLM stand-in. A request with kv_transfer_params.do_remote_decode is a prefill leg, answered with
+    kv_transfer_params naming this backend, a request id of its own (`<name>-<k>`, k counting prefill legs) and
+    the prompt it prefilled; any other request is a decode leg, answered with `tokens` (as SSE when asked to
+    stream, one chunk every `chunk_delay` s), one choice at index 0 that says what it was for (`for`: the
+    prompt, the seed, and the prompt and request id of the params it got), and usage. It records every request
+    body and notices disconnects. `fail_prompts`: prompts (as `prompt_key`) answered with `status` (400)."""
 
     def __init__(
         self,
@@ -181,6 +197,7 @@ class FakeBackend:
         status: int = 200,
         no_params: bool = False,
         crash_after: int | None = None,
+        fail_prompts: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.tokens = tokens
@@ -189,11 +206,32 @@ class FakeBackend:
         self.status = status
         self.no_params = no_params
         self.crash_after = crash_after
+        self.fail_prompts = fail_prompts
         self.healthy = True
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.clients: list[tuple[str, int]] = []  # the connection (peer address) each request came on
+        self.headers: list[dict[str, str]] = []
+        self.prefills = 0
         self.sent = bytearray()
         self.disconnected = threading.Event()
+
+    def params(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.prefills += 1
+        return {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.name,
+            "remote_request_id": f"{self.name}-{self.prefills - 1}",
+            "prompt_key": prompt_key(body),
+        }
+
+    def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
+        params = body.get("kv_transfer_params") or {}
+        return {
+            "prompt": prompt_key(body),
+            "seed": body.get("seed"),
+            "params_prompt": params.get("prompt_key"),
+            "request": params.get("remote_request_id"),
+        }
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -217,23 +255,35 @@ class FakeBackend:
         body = json.loads(raw)
         self.requests.append((scope["path"], body))
         self.clients.append(tuple(scope["client"]))
+        self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
         watcher = asyncio.create_task(self._watch(receive))
         try:
             if self.delay:
                 done, _ = await asyncio.wait({watcher}, timeout=self.delay)
                 if done:  # the caller went away while we were "working"
                     return
-            if self.status != 200:
+            failing = self.status != 200 and (not self.fail_prompts or prompt_key(body) in self.fail_prompts)
+            if failing:
                 await self._json(send, self.status, {"error": {"message": f"{self.name} says no", "code": self.status}})
             elif (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-                params = None if self.no_params else {"do_remote_prefill": True, "remote_engine_id": self.name}
-                await self._json(send, 200, {"choices": [{"text": "x"}], "kv_transfer_params": params})
+                params = None if self.no_params else self.params(body)
+                await self._json(send, 200, {"choices": [{"index": 0, "text": "x"}], "kv_transfer_params": params})
             elif body.get("stream"):
-                await self._stream(send)
+                await self._stream(send, body)
             else:
-                await self._json(send, 200, {"choices": [{"text": "".join(self.tokens)}], "served_by": self.name})
+                choice = {"index": 0, "text": "".join(self.tokens), "for": self.answer_for(body)}
+                doc = {"id": "cmpl-1", "choices": [choice], "served_by": self.name, "usage": self.usage(body)}
+                await self._json(send, 200, doc)
         finally:
             watcher.cancel()
+
+    def usage(self, body: dict[str, Any]) -> dict[str, int]:
+        prompt = len(prompt_key(body))
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": len(self.tokens),
+            "total_tokens": prompt + len(self.tokens),
+        }
 
     async def _watch(self, receive: Any) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -247,17 +297,22 @@ class FakeBackend:
         )
         await send({"type": "http.response.body", "body": data})
 
-    async def _stream(self, send: Any) -> None:
+    async def _stream(self, send: Any, body: dict[str, Any]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for i, token in enumerate(self.tokens):
             if self.disconnected.is_set():
                 return
             if i == self.crash_after:
                 raise RuntimeError(f"{self.name} crashes mid-stream (on purpose)")
-            chunk = b"data: " + json.dumps({"choices": [{"index": 0, "text": token, "n": i}]}).encode() + b"\n\n"
+            choice = {"index": 0, "text": token, "n": i, "for": self.answer_for(body)}
+            chunk = b"data: " + json.dumps({"id": "cmpl-1", "choices": [choice]}).encode() + b"\n\n"
             self.sent += chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await asyncio.sleep(self.chunk_delay)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk = b"data: " + json.dumps({"id": "cmpl-1", "choices": [], "usage": self.usage(body)}).encode()
+            self.sent += chunk + b"\n\n"
+            await send({"type": "http.response.body", "body": chunk + b"\n\n", "more_body": True})
         self.sent += b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
@@ -276,15 +331,21 @@ def running(*apps: Any) -> Iterator[list[ServerThread]]:
 
 @contextmanager
 def proxy_for(prefill: list[str], decode: list[str], **config: Any) -> Iterator[tuple[str, Proxy]]:
+    """A proxy in a thread, under the uvicorn settings `kvbridge proxy` uses (its connection bounds)."""
     config.setdefault("health_interval_s", 0.1)
     proxy = Proxy(ProxyConfig(prefill=tuple(prefill), decode=tuple(decode), **config))
-    with running(proxy.app()) as (server,):
+    uv = uvicorn_config(proxy, log_level="warning")
+    uv.timeout_graceful_shutdown = 1
+    server = ServerThread(None, config=uv).start()
+    try:
         yield server.url, proxy
+    finally:
+        server.stop()
 
 
-def health(url: str) -> dict[str, dict]:
-    doc = httpx.get(url + "/health", timeout=5).json()
-    return {f"{b['kind']} {b['url']}": b for b in doc["backends"]}
+def backend(proxy: Proxy, kind: str, index: int = 0) -> Backend:
+    """The proxy's view of one backend (/health shows counts only)."""
+    return proxy.balancer.backends(kind)[index]
 
 
 def wait_for(condition: Any, timeout: float = 5.0) -> None:
@@ -314,7 +375,8 @@ def test_both_legs_get_the_right_bodies():
         assert path == "/v1/completions"
         assert prefill == {**BODY, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         ((path, decode),) = d.requests
-        assert decode == {**BODY, "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "p"}}
+        params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "p-0"}
+        assert decode == {**BODY, "kv_transfer_params": {**params, "prompt_key": prompt_key(BODY)}}
         metrics = httpx.get(url + "/metrics", timeout=5).text
         assert f'kvbridge_proxy_leg_requests_total{{backend="{ps.url}",leg="prefill"}} 1.0' in metrics
         assert f'kvbridge_proxy_backend_inflight{{backend="{ds.url}",leg="decode"}} 0.0' in metrics
@@ -367,13 +429,14 @@ def test_backend_down_gives_502_leaves_rotation_and_comes_back():
     port = free_port()
     down_url = f"http://127.0.0.1:{port}"
     p2, d = FakeBackend("p2"), FakeBackend("d")
-    with running(p2, d) as (p2s, ds), proxy_for([down_url, p2s.url], [ds.url], connect_retries=0) as (url, _):
+    with running(p2, d) as (p2s, ds), proxy_for([down_url, p2s.url], [ds.url], connect_retries=0) as (url, proxy):
         reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
         assert reply.status_code == 502
         error = reply.json()["error"]
-        assert error["type"] == "bad_gateway" and error["backend"] == down_url and "ConnectError" in error["message"]
+        assert error["type"] == "bad_gateway" and error["backend"] == "prefill-0" and "ConnectError" in error["message"]
+        assert down_url not in reply.text  # clients see backends by name
         assert d.requests == []  # no decode leg after a failed prefill
-        assert health(url)[f"prefill {down_url}"]["up"] is False
+        assert backend(proxy, "prefill", 0).up is False
         for _ in range(3):  # out of rotation: every request goes to p2
             assert httpx.post(url + "/v1/completions", json=BODY, timeout=10).status_code == 200
         assert len(p2.requests) == 3
@@ -381,7 +444,7 @@ def test_backend_down_gives_502_leaves_rotation_and_comes_back():
         revived = FakeBackend("revived")
         server = ServerThread(revived, port=port).start()
         try:
-            wait_for(lambda: health(url)[f"prefill {down_url}"]["up"])
+            wait_for(lambda: backend(proxy, "prefill", 0).up)
             for _ in range(2):
                 assert httpx.post(url + "/v1/completions", json=BODY, timeout=10).status_code == 200
             assert len(revived.requests) == 1 and len(p2.requests) == 4  # least outstanding, then round robin
@@ -407,28 +470,28 @@ def test_no_backend_up_gives_503_and_a_retry_finds_another():
 
 def test_timeouts_give_504_and_keep_the_backend():
     slow_p, d = FakeBackend("slow", delay=3), FakeBackend("d")
-    with running(slow_p, d) as (ps, ds), proxy_for([ps.url], [ds.url], prefill_timeout_s=0.3) as (url, _):
+    with running(slow_p, d) as (ps, ds), proxy_for([ps.url], [ds.url], prefill_timeout_s=0.3) as (url, proxy):
         t0 = time.monotonic()
         reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
         assert reply.status_code == 504 and time.monotonic() - t0 < 2
         error = reply.json()["error"]
-        assert error["type"] == "gateway_timeout" and error["backend"] == ps.url
-        assert health(url)[f"prefill {ps.url}"]["up"] is True  # slow is not dead
+        assert error["type"] == "gateway_timeout" and error["backend"] == "prefill-0"
+        assert backend(proxy, "prefill").up is True  # slow is not dead
     p, slow_d = FakeBackend("p"), FakeBackend("slow", delay=3)
-    with running(p, slow_d) as (ps, ds), proxy_for([ps.url], [ds.url], decode_timeout_s=0.3) as (url, _):
+    with running(p, slow_d) as (ps, ds), proxy_for([ps.url], [ds.url], decode_timeout_s=0.3) as (url, proxy):
         reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
-        assert reply.status_code == 504 and reply.json()["error"]["backend"] == ds.url
+        assert reply.status_code == 504 and reply.json()["error"]["backend"] == "decode-0"
 
 
 def test_backend_errors_pass_through_and_missing_params_are_502():
     p, d = FakeBackend("p"), FakeBackend("d", status=400)
-    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, _):
+    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, proxy):
         reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
         assert reply.status_code == 400 and reply.json()["error"]["message"] == "d says no"
-        assert health(url)[f"decode {ds.url}"]["up"] is True
+        assert backend(proxy, "decode").up is True
         assert httpx.post(url + "/v1/completions", content=b"{nope", timeout=10).status_code == 400
     p, d = FakeBackend("p", no_params=True), FakeBackend("d")
-    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, _):
+    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, proxy):
         reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
         assert reply.status_code == 502 and "no kv_transfer_params" in reply.json()["error"]["message"]
         assert d.requests == []
@@ -436,15 +499,15 @@ def test_backend_errors_pass_through_and_missing_params_are_502():
 
 def test_decode_backend_dying_mid_stream_ends_the_stream_with_an_error_event():
     p, d = FakeBackend("p"), FakeBackend("d", tokens=("a", "b", "c", "d"), crash_after=2)
-    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url], health_interval_s=60) as (url, _):
+    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url], health_interval_s=60) as (url, proxy):
         with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}, timeout=10) as reply:
             assert reply.status_code == 200
             received = b"".join(reply.iter_raw())
         assert received.startswith(bytes(d.sent))
         events = [json.loads(e[6:]) for e in received.decode().split("\n\n") if e.startswith("data: {")]
         assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b"]
-        assert events[-1]["error"]["type"] == "bad_gateway" and events[-1]["error"]["backend"] == ds.url
-        assert health(url)[f"decode {ds.url}"]["up"] is False
+        assert events[-1]["error"]["type"] == "bad_gateway" and events[-1]["error"]["backend"] == "decode-0"
+        assert backend(proxy, "decode").up is False
 
 
 def test_limits():
@@ -461,22 +524,22 @@ def test_limits():
 
 def test_client_disconnect_closes_the_upstream_legs():
     p, d = FakeBackend("p"), FakeBackend("d", tokens=tuple("abcdefghijklmnopqrstuvwxyz"), chunk_delay=0.1)
-    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, _):
+    with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, proxy):
         with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}, timeout=10) as reply:
             first = next(reply.iter_raw())
             assert first.startswith(b"data: ")
         assert d.disconnected.wait(5), "the decode backend did not see the proxy close the stream"
         assert len(d.sent) < 26 * 40  # it stopped early
-        wait_for(lambda: health(url)[f"decode {ds.url}"]["outstanding"] == 0)
+        wait_for(lambda: backend(proxy, "decode").outstanding == 0)
         metrics = httpx.get(url + "/metrics", timeout=5).text
         assert "kvbridge_proxy_client_disconnects_total 1.0" in metrics
         assert 'status="499"' in metrics
     slow_p, d = FakeBackend("slow", delay=5), FakeBackend("d")
-    with running(slow_p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, _):
+    with running(slow_p, d) as (ps, ds), proxy_for([ps.url], [ds.url]) as (url, proxy):
         with pytest.raises(httpx.ReadTimeout):  # the client gives up during the prefill leg
             httpx.post(url + "/v1/completions", json=BODY, timeout=0.5)
         assert slow_p.disconnected.wait(3), "the prefill backend did not see the proxy close the request"
-        wait_for(lambda: health(url)[f"prefill {ps.url}"]["outstanding"] == 0)
+        wait_for(lambda: backend(proxy, "prefill").outstanding == 0)
         assert d.requests == []
 
 

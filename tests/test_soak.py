@@ -121,7 +121,8 @@ class Soak:
 
     def n2(self) -> None:
         tokens = prompt(self.rng)
-        choices = self.via_proxy({"prompt": tokens, "n": 2})["choices"]
+        # n > 1 needs sampling (vLLM refuses n > 1 at temperature 0): top_k=1 makes it greedy
+        choices = self.via_proxy({"prompt": tokens, "n": 2, "temperature": 1.0, "top_k": 1})["choices"]
         assert sorted(c["index"] for c in choices) == [0, 1]
         for choice in choices:
             self.check("n=2", tokens, choice["token_ids"])

@@ -1,14 +1,18 @@
 """A tiny Qwen2-architecture model with seeded random weights, for real-vLLM tests, the demo and benchmarks.
 
-vLLM loads it with `load_format=auto` (safetensors + config.json); no tokenizer is written, so servers run
-with `--skip-tokenizer-init` and take prompts as token ids. The weights are real (not `load_format=dummy`), so
+vLLM loads it with `load_format=auto` (safetensors + config.json). By default no tokenizer is written, so
+servers run with `--skip-tokenizer-init` and take prompts as token ids. With `tokenizer=True` a byte-level BPE
+tokenizer of the model's vocab size is written too (`tokenizer.json`, `tokenizer_config.json` with a ChatML-like
+chat template), trained with the `tokenizers` library on a fixed corpus in this file, so the same run always
+gives the same tokenizer; vLLM then serves text prompts and chat without `--skip-tokenizer-init`. The tokenizer
+does not touch the weights: they depend on the seed only. The weights are real (not `load_format=dummy`), so
 every TP shard sees the same model and greedy outputs can be compared across layouts (in float32).
 
 Defaults: 4 layers, hidden 256, 8 attention heads, 4 KV heads, head_dim 32 (vLLM's CPU attention supports head
 sizes 32, 64, 80, ...), so TP 1/2/4 split the KV heads evenly and PP 1/2/4 split the layers. Weights are drawn
 with std 0.2 rather than HF's 0.02: with 0.02 greedy generation falls into 1-2 token loops.
 
-    python -m kvbridge.serving.tiny_model OUT_DIR [--num-layers N] [--overwrite]
+    python -m kvbridge.serving.tiny_model OUT_DIR [--num-layers N] [--tokenizer] [--overwrite]
 """
 
 from __future__ import annotations
@@ -21,6 +25,93 @@ STAMP = "kvbridge_tiny_model.json"
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() in vLLM 0.32
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _STAMP_VERSION = 1
+_TOKENIZER_VERSION = 1
+"""Part of the stamp when a tokenizer is asked for: bump it when the corpus or the training changes."""
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+"""Token ids 0, 1, 2. `<|endoftext|>` is bos and pad, `<|im_end|>` eos (the end of a chat turn)."""
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """
+A key-value cache holds, for every layer of a transformer, the keys and values of the tokens seen so far. When a
+prompt arrives, the prefill computes the whole cache in one pass; each decode step then adds one token and reads
+all the cache again. Prefill is bound by compute, decode by memory bandwidth, so a deployment may run them on
+different machines: a prefill server computes the prompt's cache, a decode server reads it over the network and
+generates the answer. The cache is split into blocks of sixteen tokens; a request owns a list of block ids.
+Pipeline parallel servers split the layers into stages, tensor parallel servers split the attention heads into
+ranks, and data parallel servers run several engines side by side. Moving a cache between two layouts means
+reading, for each decode worker, the layers and heads it owns from the prefill workers that hold them.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick daft
+zebras jump! Sphinx of black quartz, judge my vow. The five boxing wizards jump quickly.
+def transfer(blocks, source, target):
+    for block in blocks:
+        target.write(block, source.read(block))
+    return len(blocks)
+class Lease:
+    def __init__(self, request_id, expires):
+        self.request_id = request_id
+        self.expires = expires
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 4096 8192 3.14159 2.71828 1e-6 0x7f
+Punctuation and symbols: ( ) [ ] { } < > = + - * / % & | ^ ~ ! ? , . ; : ' " ` @ # $ _ \\ and newlines.
+User: What is the capital of France? Assistant: The capital of France is Paris.
+User: Write a haiku about autumn. Assistant: Red leaves drift and fall, the river carries them home, cold wind
+in the pines.
+User: Summarize the meeting. Assistant: The team agreed to ship on Friday, to fix the two open bugs first, and
+to meet again next week to plan the release after that.
+Once upon a time there was a small robot who wanted to learn every language in the world. It read books in the
+morning, listened to songs in the afternoon and wrote letters to its friends every evening.
+Weather report: cloudy skies over the northern mountains, light rain expected near the coast, temperatures
+between twelve and nineteen degrees, winds from the southwest, clearing by Thursday with sunshine everywhere.
+Recipe: whisk three eggs with flour, sugar, butter and a pinch of salt; bake for thirty minutes until golden;
+serve warm with honey, cinnamon, fresh strawberries or chocolate sauce.
+History: ancient libraries gathered scrolls on astronomy, medicine, geometry, philosophy and poetry; scholars
+copied, translated and debated them for centuries, through empires, revolutions, plagues and discoveries.
+Science: photosynthesis converts sunlight, water and carbon dioxide into glucose and oxygen; electrons move
+through membranes, enzymes catalyze reactions, and chlorophyll absorbs mostly blue and red wavelengths.
+Travel: the overnight train leaves the central station at eleven, crosses bridges, tunnels and vineyards, and
+arrives by breakfast in a harbour town famous for lighthouses, seafood, markets and narrow cobblestone alleys.
+"""
+
+
+def write_tokenizer(out_dir: str | Path, vocab: int, max_positions: int = 4096) -> Path:
+    """Train a byte-level BPE tokenizer of exactly `vocab` tokens on the fixed corpus and save it in `out_dir`
+    (tokenizer.json, tokenizer_config.json). Deterministic: the same arguments give the same files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = _CORPUS.splitlines()
+    tokenizer.train_from_iterator([line for line in corpus if line] * 3, trainer=trainer)
+    size = tokenizer.get_vocab_size()
+    if size < vocab:  # the corpus ran out of merges: fill up with plain added tokens, so ids cover the model's
+        tokenizer.add_tokens([f"<|extra_{i}|>" for i in range(vocab - size)])
+    if tokenizer.get_vocab_size() != vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model {vocab}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[2],
+        "pad_token": SPECIAL_TOKENS[0],
+        "model_max_length": max_positions,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    return out
 
 
 def _spec(**kwargs: object) -> dict[str, object]:
@@ -41,9 +132,11 @@ def build_tiny_model(
     init_std: float = 0.2,
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer: bool = False,
     overwrite: bool = False,
 ) -> Path:
-    """Write the model to `out_dir` (config.json + model.safetensors) and return the directory.
+    """Write the model to `out_dir` (config.json + model.safetensors, and with `tokenizer` the tokenizer of
+    `write_tokenizer`) and return the directory.
 
     Idempotent: a stamp file records the arguments; if it matches, the existing model is reused.
     `head_dim` defaults to hidden // num_heads, `intermediate` to 2 * hidden.
@@ -67,6 +160,8 @@ def build_tiny_model(
         seed=seed,
         dtype=dtype,
     )
+    if tokenizer:  # only then: the stamps (and so the cached models) of token-id callers stay as they were
+        spec["tokenizer"] = _TOKENIZER_VERSION
     out = Path(out_dir)
     stamp = out / STAMP
     if not overwrite and stamp.is_file() and (out / "model.safetensors").is_file():
@@ -102,6 +197,8 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if tokenizer:
+        write_tokenizer(out, vocab, max_positions)
     stamp.write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
     return out
 
@@ -116,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tokenizer", action="store_true", help="also write a byte-level BPE tokenizer")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     path = build_tiny_model(
@@ -127,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab=args.vocab,
         seed=args.seed,
         dtype=args.dtype,
+        tokenizer=args.tokenizer,
         overwrite=args.overwrite,
     )
     print(path)

@@ -1,0 +1,95 @@
+"""The proxy's Prometheus metrics (`kvbridge_proxy_*`), in a registry of their own: several proxies may live in
+one process (the tests), and prometheus_client is imported only here, when a proxy is made."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from kvbridge.serving.proxy.balancer import Balancer
+
+
+class ProxyMetrics:
+    def __init__(self, balancer: Balancer) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(
+            "kvbridge_proxy_requests",
+            "Client requests by endpoint and the status returned",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.leg_requests = Counter(
+            "kvbridge_proxy_leg_requests", "Legs sent, per leg and backend", ["leg", "backend"], registry=self.registry
+        )
+        self.leg_failures = Counter(
+            "kvbridge_proxy_leg_failures",
+            "Legs that failed, per leg, backend and reason (connect, timeout, broken, http_NNN, bad_reply)",
+            ["leg", "backend", "reason"],
+            registry=self.registry,
+        )
+        self.client_disconnects = Counter(
+            "kvbridge_proxy_client_disconnects",
+            "Clients that went away before their reply ended",
+            registry=self.registry,
+        )
+        self.prefill_releases = Counter(
+            "kvbridge_proxy_prefill_releases",
+            "Prefill KV released because its decode leg did not read it, by outcome (released, not_taken, error)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "kvbridge_proxy_rejected",
+            "Client requests refused before any leg, by reason (invalid, body_too_large, body_timeout, overloaded)",
+            ["reason"],
+            registry=self.registry,
+        )
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+        self.leg_seconds = Histogram(
+            "kvbridge_proxy_leg_seconds",
+            "Duration of successful legs: prefill until its reply, decode until its last byte",
+            ["leg"],
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.first_byte_seconds = Histogram(
+            "kvbridge_proxy_first_byte_seconds",
+            "From a client request's arrival to the first byte of the decode reply sent back (TTFT when streaming)",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.request_seconds = Histogram(
+            "kvbridge_proxy_request_seconds",
+            "From a client request's arrival to the end of its reply",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.registry.register(_BalancerCollector(balancer))
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _BalancerCollector:
+    """Backend gauges read from the balancer at scrape time (it is the one source of truth)."""
+
+    def __init__(self, balancer: Balancer) -> None:
+        self.balancer = balancer
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        labels = ["leg", "backend"]
+        up = GaugeMetricFamily("kvbridge_proxy_backend_up", "1 while a backend is in rotation", labels=labels)
+        inflight = GaugeMetricFamily(
+            "kvbridge_proxy_backend_inflight", "Outstanding requests per backend", labels=labels
+        )
+        for b in self.balancer.backends():
+            up.add_metric([b.kind, b.url], 1.0 if b.up else 0.0)
+            inflight.add_metric([b.kind, b.url], float(b.outstanding))
+        yield up
+        yield inflight
