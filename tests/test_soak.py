@@ -5,7 +5,8 @@ and no block may stay allocated on either side.
 Traffic (seeded): plain requests through the proxy, lists of prompts and n=2 through the proxy, clients that
 disconnect from the proxy mid-request, and, straight to the decode server, swapped params (another prompt's),
 forged params (edited blocks, unsigned), replays, and decode legs that arrive after the params' lease. One decode
-server is killed with requests inside it and another one started in its place. The figures are printed.
+server and then the prefill server are killed with requests inside them, and new ones started in their place. The
+figures are printed.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def wait_for(predicate, timeout: float) -> bool:
 
 
 class Soak:
-    def __init__(self, prefill: VllmServer, decode: VllmServer, proxy_url: str, rng: random.Random) -> None:
-        self.prefill, self.decode, self.proxy_url, self.rng = prefill, decode, proxy_url, rng
+    def __init__(self, prefill: VllmServer, decode: VllmServer, proxy_url: str, rng: random.Random, model: str) -> None:
+        self.prefill, self.decode, self.proxy_url, self.rng, self.model = prefill, decode, proxy_url, rng, model
         self.references: dict[tuple[int, ...], list[int]] = {}
         self.outcomes: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
@@ -102,7 +103,7 @@ class Soak:
         ]
 
     def via_proxy(self, body: dict, timeout: float = 120) -> dict:
-        body = {"model": "m", "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, **body}
+        body = {"model": self.model, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, **body}
         reply = httpx.post(self.proxy_url + "/v1/completions", json=body, timeout=timeout)
         assert reply.status_code == 200, reply.text
         return reply.json()
@@ -132,7 +133,7 @@ class Soak:
         with contextlib.suppress(httpx.HTTPError):
             httpx.post(
                 self.proxy_url + "/v1/completions",
-                json={"model": "m", "prompt": prompt(self.rng, 380), "max_tokens": 200, "ignore_eos": True},
+                json={"model": self.model, "prompt": prompt(self.rng, 380), "max_tokens": 200, "ignore_eos": True},
                 timeout=0.3,
             )
 
@@ -185,16 +186,20 @@ def test_fault_soak(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY)
     secure = {"auth_key_file": str(key_file)}
-    prefill = VllmServer(
-        model,
-        port=free_port(),
-        cpu_bind="0",
-        kv_transfer_config=kvbridge_config(
-            "kv_producer", side_channel_port=free_base_port(1), lease_s=LEASE_S, **secure
-        ),
-        name="prefill",
-        log_path=tmp_path / "prefill.log",
-    )
+    prefill_config = kvbridge_config("kv_producer", side_channel_port=free_base_port(1), lease_s=LEASE_S, **secure)
+    prefill_port = free_port()
+
+    def prefill_server(name: str) -> VllmServer:
+        return VllmServer(
+            model,
+            port=prefill_port,
+            cpu_bind="0",
+            kv_transfer_config=prefill_config,
+            name=name,
+            log_path=tmp_path / f"{name}.log",
+        )
+
+    prefill = prefill_server("prefill")
     decode_port = free_port()
 
     def decode_server(name: str) -> VllmServer:
@@ -215,7 +220,7 @@ def test_fault_soak(tmp_path):
     started = time.monotonic()
     with running((prefill, decode)), proxy(prefill.url, decode.url, str(key_file)) as url:
         baseline = prefill.kv_usage(), decode.kv_usage()
-        soak = Soak(prefill, decode, url, rng)
+        soak = Soak(prefill, decode, url, rng, str(model))
         kinds = ["plain"] * 10 + ["listed"] * 2 + ["n2"] * 2 + ["disconnect", "swapped", "forged", "replayed"]
         plan = [rng.choice(kinds) for _ in range(150)] + ["late"] * 2
         with ThreadPoolExecutor(4) as pool:
@@ -231,22 +236,38 @@ def test_fault_soak(tmp_path):
         decode = soak.decode = decode_server("decode-2").start()
         decode.wait_ready(timeout=300)
         assert wait_for(lambda: _healthy(url), 30), "the proxy did not take the new decode server back"
+        restarted = None
         try:
             with ThreadPoolExecutor(4) as pool:
                 for result in [pool.submit(soak.plain) for _ in range(40)]:
                     result.result()
-            freed = wait_for(lambda: prefill.kv_usage() == baseline[0], 45) and wait_for(
+            # A prefill server killed with requests inside it (prefilling, or being read); a new one on its ports.
+            with ThreadPoolExecutor(4) as pool:
+                inflight = [pool.submit(soak.plain) for _ in range(4)]
+                time.sleep(0.3)
+                prefill.kill()
+                soak.faults["prefill server killed with requests in flight"] += 1
+                lost += sum(1 for f in inflight if _failed(f))
+            restarted = soak.prefill = prefill_server("prefill-2").start()
+            restarted.wait_ready(timeout=300)
+            assert wait_for(lambda: _healthy(url), 30), "the proxy did not take the new prefill server back"
+            with ThreadPoolExecutor(4) as pool:
+                for result in [pool.submit(soak.plain) for _ in range(20)]:
+                    result.result()
+            freed = wait_for(lambda: restarted.kv_usage() == baseline[0], 45) and wait_for(
                 lambda: decode.kv_usage() == baseline[1], 15
             )
             moved = metric_sum(metrics(decode.url), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         finally:
             decode.stop()
+            if restarted is not None:
+                restarted.stop()
     requests = sum(soak.outcomes.values())
     figures = {
         "requests answered": requests,
         "by kind": dict(soak.outcomes),
         "faults injected": dict(soak.faults),
-        "requests lost with the killed decode server": lost,
+        "requests lost with the killed servers (HTTP errors, never wrong answers)": lost,
         "outputs different from the aggregated run": len(soak.wrong),
         "blocks left allocated": "none" if freed else "LEAKED",
         "prompt tokens moved by kvbridge (new decode server)": moved,
