@@ -192,7 +192,7 @@ class DecodeWorker:
         now = time.monotonic()
         load = _Load(job, now, now + self.config.transfer_timeout_s)
         if job.refused or job.source is None:
-            self._finish(load, False, job.refused or "no prefill location")
+            self._refuse(load, job.refused or "no prefill location")
             return
         if not job.report:  # the request is gone here: only free the prefill side's blocks
             self._notes.put(
@@ -577,13 +577,13 @@ class DecodeWorker:
         if job.source is not None and not job.refused:
             self._notes.put((self._abort_message(job, error[:200]), job, tuple(job.source.layout.workers())))
 
-    def _finish(self, load: _Load, ok: bool, error: str = "") -> None:
-        """A job that never got going (refused by the scheduler): report it at once."""
+    def _refuse(self, load: _Load, error: str) -> None:
+        """A job that never got going (refused by the scheduler): report it failed at once, reading nothing."""
         logger.warning("kvbridge decode %s: load of %s refused: %s", self.identity, load.job.request_id, error)
         with self._lock:
-            self._pending += 1
-            self._stats.failures += 0 if ok else 1
-        self._report(load, ok)
+            self._pending += 1  # _report counts it out again
+            self._stats.failures += 1
+        self._report(load, False)
 
     def _report(self, load: _Load, ok: bool) -> None:
         if load.begun:
