@@ -156,7 +156,6 @@ class DecodeWorker:
         self._draining: list[_Load] = []  # failed READs whose release NIXL has not accepted yet
         self._launched: queue.Queue[_Load | None] = queue.Queue()  # kernels queued, in launch order (one stream)
         self._notes: queue.Queue[tuple[wire.Message, LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
-        self._pending = 0  # jobs accepted and not yet reported (for tests and shutdown)
         self._claiming: dict = {}  # engine key -> claim steps on control threads (under _lock)
         self._backlog: dict = {}  # engine key -> loads waiting for one of them
         self._threads: list[threading.Thread] = []
@@ -199,8 +198,6 @@ class DecodeWorker:
                 (self._abort_message(job, "aborted before its load"), job, tuple(job.source.layout.workers()))
             )
             return
-        with self._lock:
-            self._pending += 1
         future = self.peers.connect(job.source)
         future.add_done_callback(lambda f: self._admit(load, f))
 
@@ -223,11 +220,6 @@ class DecodeWorker:
     def reads_through_ipc(self, source: PrefillDone) -> bool:
         """Whether this worker reads `source`'s engine through CUDA IPC (after it connected to it)."""
         return any(e.kernels and e.key[0] == source.remote_engine_id for e in self.peers.all_engines())
-
-    @property
-    def pending(self) -> int:
-        with self._lock:
-            return self._pending
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -581,7 +573,6 @@ class DecodeWorker:
         """A job that never got going (refused by the scheduler): report it failed at once, reading nothing."""
         logger.warning("kvbridge decode %s: load of %s refused: %s", self.identity, load.job.request_id, error)
         with self._lock:
-            self._pending += 1  # _report counts it out again
             self._stats.failures += 1
         self._report(load, False)
 
@@ -589,7 +580,6 @@ class DecodeWorker:
         if load.begun:
             self.peers.end(load.engine)
         with self._lock:
-            self._pending -= 1
             if load.job.report:
                 (self._done if ok else self._failed).add(load.job.request_id)
 

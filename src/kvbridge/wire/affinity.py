@@ -64,18 +64,18 @@ def zmq_context() -> zmq.Context:
     global _context
     with _lock:
         if _context is None or _context.closed:
-            before = _zmq_threads()
+            before = _thread_ids()
             with unpinned():
                 context = zmq.Context(io_threads=1)
                 context.socket(zmq.PAIR).close(linger=0)  # starts the I/O and reaper threads now, unpinned
-            for tid in _zmq_threads() - before:
+            for tid in _thread_ids() - before:
                 _boost(tid)
             _context = context
         return _context
 
 
-def _zmq_threads() -> set[int]:
-    """Native ids of this process's threads (Linux /proc; empty elsewhere): the ones that appear while the
+def _thread_ids() -> set[int]:
+    """Native ids of this process's threads (Linux /proc; empty elsewhere): the ones that appear while the ZMQ
     context starts are its I/O and reaper threads (they name themselves only later)."""
     with contextlib.suppress(OSError):
         return {int(tid) for tid in os.listdir("/proc/self/task")}
