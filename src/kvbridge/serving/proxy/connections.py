@@ -1,4 +1,4 @@
-"""Client connections: a deadline for each request's head (request line and headers).
+"""Client connections: a deadline and a size bound for each request's head (request line and headers).
 
 uvicorn closes a connection that idles between requests (`timeout_keep_alive`) but has no deadline for a head
 that arrives slowly: any byte cancels its keep-alive timer, so a client sending one byte every few seconds holds
@@ -6,6 +6,10 @@ a connection (a file descriptor) for ever (slowloris; review 2026-12-01 §6, pro
 protocol with one more timer, armed when a connection opens and after each response, disarmed once a request's
 head has been read, and closing the connection when it fires first. The body has its own deadline in the app
 (`body_timeout_s`).
+
+h11's `max_incomplete_event_size` bounds only a head still incomplete in its buffer: a head that arrives whole
+in one read (up to asyncio's 256 KiB) passes whatever its size. The connection here also measures each parsed
+head and refuses one over the bound with uvicorn's 400 and a close.
 """
 
 from __future__ import annotations
@@ -21,8 +25,19 @@ def head_timeout_protocol(timeout_s: float) -> type:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    class BoundedHeadConnection(h11.Connection):
+        def next_event(self) -> Any:
+            event = super().next_event()
+            if type(event) is h11.Request and head_bytes(event) > self._max_incomplete_event_size:
+                raise h11.RemoteProtocolError("request head too large")
+            return event
+
     class HeadTimeoutH11Protocol(H11Protocol):
         _head_timer: Any = None
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            self.conn = BoundedHeadConnection(h11.SERVER, self.conn._max_incomplete_event_size)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -59,3 +74,9 @@ def head_timeout_protocol(timeout_s: float) -> type:
                 self.transport.close()
 
     return HeadTimeoutH11Protocol
+
+
+def head_bytes(request: Any) -> int:
+    """The size of an h11 request's head as sent: request line and header lines."""
+    line = len(request.method) + len(request.target) + len(b"HTTP/1.1") + 4
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items())
