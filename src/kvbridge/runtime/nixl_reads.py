@@ -1,0 +1,225 @@
+"""A decode worker's NIXL path: post a load's READs, poll them, and report the load only once NIXL has let go of them.
+
+Per engine: each prefill worker's NIXL agent, added by its handshake (`add_agent`) and removed when the engine is
+reaped (`forget`). Per load: one READ per prefill worker read, each carrying the Notify that tells that worker the
+request is done here; the workers of the engine that are not read are told through the notifier as soon as the
+READs are posted. A READ whose release NIXL refuses (a status error does not mean the DMA stopped) is kept and
+retried; its load is reported, done or failed, only once the release succeeds, so that no READ can still write
+blocks the engine has given to another request.
+
+One lock serialises every NIXL call (the transfer thread, the engine's `results()` calls, handshakes on control
+threads); each method takes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.descriptors import worker_descriptors
+from kvbridge.core.errors import IncompatiblePeerError, KVBridgeError, TransferError
+from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.memory import WorkerMemory
+from kvbridge.core.topology import WorkerRank
+from kvbridge.runtime.load import Load, LoadJob
+from kvbridge.runtime.peers import Engine, PeerBook
+from kvbridge.runtime.prefill_worker import transport_config
+from kvbridge.transport.nixl import MemType, NixlTransport
+from kvbridge.wire import messages as wire
+
+logger = logging.getLogger(__name__)
+
+
+class NixlReads:
+    """One decode worker's NIXL agent and the READs it has in flight."""
+
+    def __init__(
+        self,
+        identity: WorkerIdentity,
+        memory: WorkerMemory,
+        config: BridgeConfig,
+        mem_type: MemType,
+        peers: PeerBook,
+        *,
+        loaded: Callable[[Load], None],
+        failed: Callable[[Load, str], None],
+        tell: Callable[[wire.Message, LoadJob, tuple[WorkerRank, ...]], None],
+    ) -> None:
+        """`loaded(load)` and `failed(load, error)` report a load to the decode worker; `tell(message, job, ranks)`
+        queues a message for the notifier."""
+        self.identity = identity
+        self.memory = memory
+        self.config = config
+        self.mem_type = mem_type
+        self.peers = peers
+        self.loaded = loaded
+        self.failed = failed
+        self.tell = tell
+        # A kv_both worker also runs a PrefillWorker: agent names must differ.
+        self.transport = NixlTransport(identity.agent_name + "-reader", transport_config(config, mem_type))
+        self._lock = threading.Lock()  # the transport, _active and _draining: one caller at a time
+        self._active: list[Load] = []  # READs posted
+        self._draining: list[Load] = []  # READs done or failed whose release NIXL has not accepted yet
+
+    def start(self) -> None:
+        self.transport.start()
+        self.transport.register(self.memory, self.mem_type)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    @property
+    def busy(self) -> bool:
+        """Whether READs are posted or waiting for their release (read without the lock: a hint)."""
+        return bool(self._active or self._draining)
+
+    def holds(self, load: Load) -> bool:
+        """Whether `load`'s READs are posted and being polled."""
+        with self._lock:
+            return load in self._active
+
+    # -- per engine -------------------------------------------------------------------------------
+
+    def add_agent(self, metadata: bytes, name: str) -> str:
+        """Load a prefill worker's agent metadata (the peer book's handshake); returns the agent's name."""
+        owner = self.peers.owner_of(name)
+        if owner is not None:  # another engine at another address answers under the same name: never replace it
+            raise IncompatiblePeerError("agent_name", f"{name} of the engine at {owner[1]}:{owner[2]}", name)
+        with self._lock:
+            if name in self.transport.peers:  # a restarted worker under the same name: its old agent goes
+                with contextlib.suppress(KVBridgeError):
+                    self.transport.remove_peer(name)
+            return self.transport.add_peer(metadata)
+
+    def forget(self, engine: Engine) -> None:
+        """Remove the agents of a reaped engine (nothing of it in flight)."""
+        with self._lock:
+            for peer in engine.peers.values():
+                with contextlib.suppress(KVBridgeError):
+                    self.transport.remove_peer(peer.agent)
+
+    # -- per load ---------------------------------------------------------------------------------
+
+    def post(self, load: Load, note: wire.Notify) -> None:
+        """Post the load's READs, each carrying `note`; a failure drains what was posted, then reports it."""
+        engine, job = load.engine, load.job
+        with self._lock:
+            try:
+                descs = self._descriptors(load, engine)
+            except KVBridgeError as exc:
+                self._drain_and_fail(load, str(exc))
+                return
+            encoded = wire.encode(note)
+            load.nbytes = sum(d.nbytes for d in descs.values())
+            load.descriptors = sum(len(d) for d in descs.values())
+            for rank, d in descs.items():
+                peer = engine.peers[rank]
+                try:
+                    load.transfers.append(self.transport.read(peer.agent, d, self.memory, peer.memory, encoded))
+                except TransferError as exc:
+                    pending = getattr(exc, "transfer", None)
+                    if pending is not None:
+                        load.transfers.append(pending)
+                    self._drain_and_fail(load, str(exc), broken=engine)
+                    return
+            load.posted = time.monotonic()
+            others = tuple(r for r in engine.layout.workers() if r not in descs)
+            if others:
+                self.tell(note, job, others)
+            self._active.append(load)
+
+    def poll(self) -> None:
+        """Report the loads whose READs are done (and released) or failed; retry the releases NIXL refused."""
+        with self._lock:
+            self._poll()
+
+    def poll_if_free(self) -> None:
+        """`poll`, unless nothing is posted or another thread is at NIXL (the engine's thread must not wait)."""
+        if self.busy and self._lock.acquire(blocking=False):
+            try:
+                self._poll()
+            finally:
+                self._lock.release()
+
+    def _poll(self) -> None:
+        still = []
+        for load in self._active:
+            try:
+                done = all(self.transport.poll(t) for t in load.transfers)
+            except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on
+                if not isinstance(exc, KVBridgeError):
+                    logger.exception("kvbridge decode %s: polling failed", self.identity)
+                self._drain_and_fail(load, str(exc), broken=load.engine)
+                continue
+            if done:
+                if self._release_all(load):
+                    self.loaded(load)
+                else:  # done, but NIXL kept the handle: report once it lets go
+                    self._draining.append(load)
+            elif time.monotonic() > load.deadline:
+                self._drain_and_fail(load, f"not done after {self.config.transfer_timeout_s:g} s")
+            else:
+                still.append(load)
+        self._active = still
+        draining = []
+        for load in self._draining:
+            if self._release_all(load):
+                self._settle(load)
+            else:
+                draining.append(load)
+        self._draining = draining
+
+    def _release_all(self, load: Load) -> bool:
+        ok = True
+        for t in load.transfers:
+            try:
+                self.transport.release(t)
+            except KVBridgeError as exc:
+                logger.debug("kvbridge decode %s: %s (retrying)", self.identity, exc)
+                ok = False
+        return ok
+
+    def _drain_and_fail(self, load: Load, error: str, broken: Engine | None = None) -> None:
+        """Fail `load` once nothing of it can still write: READs are released first (retried if NIXL refuses)."""
+        load.error = error
+        if broken is not None and _peer_broken(error):
+            self.peers.drop(broken, error)
+        if self._release_all(load):
+            self._settle(load)
+        else:
+            logger.warning("kvbridge decode %s: %s: a READ may still write; holding its blocks", self.identity, error)
+            self._draining.append(load)
+
+    def _settle(self, load: Load) -> None:
+        """A load whose READs are all released: report it (failed if it has an error, else done)."""
+        if load.error:
+            self.failed(load, load.error)
+        else:
+            self.loaded(load)
+
+    def _descriptors(self, load: Load, engine: Engine) -> dict:
+        job = load.job
+        if not job.local_blocks:
+            return {}
+        descs = worker_descriptors(
+            engine.plan,
+            self.identity.rank,
+            self.memory,
+            {rank: peer.memory for rank, peer in engine.peers.items()},
+            np.asarray(job.remote_blocks, dtype=np.int64),
+            np.asarray(job.local_blocks, dtype=np.int64),
+        )
+        return {rank: d for rank, d in descs.items() if len(d)}
+
+
+def _peer_broken(error: str) -> bool:
+    """Whether an error says the peer itself is gone (not just this request's blocks or claim)."""
+    text = error.lower()
+    words = ("disconnect", "remote", "connection", "unreachable", "peer", "not_found", "not found")
+    return any(word in text for word in words)
