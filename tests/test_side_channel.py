@@ -572,3 +572,51 @@ def test_test_ports_are_free_and_below_the_ephemeral_range():
         for port in range(base, base + count):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))
+
+
+def _held_open(sock: socket.socket, seconds: float) -> bool:
+    """True if the server kept `sock` open for `seconds` (a cut connection reads EOF or is reset, after ZMQ's
+    greeting, which a server sends as it accepts)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if sock.recv(4096) == b"":
+                return False
+        except TimeoutError:
+            return True
+        except ConnectionResetError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("limit", [4, sc.MAX_CONNECTIONS])
+def test_connections_beyond_the_bound_are_cut(limit: int) -> None:
+    """A connection flood cannot pin more than `max_connections` x queued frames: connections beyond the bound
+    are cut as they are accepted; those within it are kept, and once the flood leaves, peers are served again.
+    Negative control: under the default bound the same 10 connections are all kept."""
+    reply = prefill_reply(0, WorkerRank(0, 0))
+    server = sc.SideChannelServer(0, sc.handshake_handler(reply, lambda m: wire.Ack()), HOST, max_connections=limit)
+    server.start()
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(10):
+            flood.append(socket.create_connection((HOST, server.port), timeout=DEADLINE_S))
+            time.sleep(0.02)  # accepted in order: the first `limit` are the ones kept
+        kept = [_held_open(sock, 0.3) for sock in flood]
+        if limit == 4:
+            assert kept == [True] * 4 + [False] * 6, kept
+            assert server.connections.cut == 6
+        else:
+            assert all(kept) and server.connections.cut == 0
+        for sock in flood:
+            sock.close()
+        deadline = time.monotonic() + DEADLINE_S
+        while server.connections.open and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.connections.open == 0
+        assert_still_serving(server)
+    finally:
+        for sock in flood:
+            sock.close()
+        server.close()

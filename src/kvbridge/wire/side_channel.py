@@ -19,13 +19,17 @@ bounded on both ends (a frame a server takes, an answer a client takes, messages
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge.core.errors import (
     IncompatiblePeerError,
@@ -51,6 +55,10 @@ MAX_ANSWER_BYTES = 16 * 1024 * 1024
 """Largest answer a client takes (a handshake reply: memory map, NIXL metadata, CUDA IPC handles)."""
 QUEUED_PER_PEER = 16
 """Messages ZMQ queues per connection (its default, 1000, times the frame size is what a flood could pin)."""
+MAX_CONNECTIONS = 512
+"""Connections a side-channel server keeps open at once; more are cut as they are accepted. Each may pin up to
+QUEUED_PER_PEER frames of MAX_REQUEST_BYTES, so this bounds what a connection flood can pin. A decode worker
+keeps one connection per control thread (8) to each prefill worker it reads from: 512 serves 64 decode ranks."""
 
 Handler = Callable[[wire.Message], wire.Message]
 """Answers one decoded message; called on the server's thread. May raise: the peer then gets an error."""
@@ -179,14 +187,18 @@ class SideChannelServer:
         *,
         poll_interval_s: float = 0.05,
         max_message_bytes: int = MAX_REQUEST_BYTES,
+        max_connections: int = MAX_CONNECTIONS,
         sealer: Sealer | None = None,
     ) -> None:
         """`sealer`: authenticate every frame with the deployment key (None: frames are bare msgpack)."""
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections!r}")
         self.host = host
         self.port = port
         self.handler = handler
         self.poll_interval_s = poll_interval_s
         self.max_message_bytes = max_message_bytes
+        self.connections = _ConnectionBound(max_connections)
         self.sealer = sealer
         self._socket: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -219,8 +231,9 @@ class SideChannelServer:
             self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._socket = sock
         self._stop.clear()
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._thread = threading.Thread(
-            target=self._serve, args=(sock,), name=f"kvbridge-side-channel-{self.port}", daemon=True
+            target=self._serve, args=(sock, monitor), name=f"kvbridge-side-channel-{self.port}", daemon=True
         )
         self._thread.start()
         logger.debug("side channel serving on %s", self.endpoint)
@@ -237,6 +250,8 @@ class SideChannelServer:
             # A handler is stuck: leave the socket to its thread rather than close it under it.
             logger.warning("side channel %s did not stop within %.1f s", self.endpoint, timeout_s)
             return
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
         sock.close(linger=0)
 
     def __enter__(self) -> SideChannelServer:
@@ -246,14 +261,24 @@ class SideChannelServer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _serve(self, sock: zmq.Socket) -> None:
+    def _serve(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
         unpin_this_thread()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         timeout_ms = max(1, round(self.poll_interval_s * 1000))
+        try:
+            self._serve_until_stopped(sock, monitor, poller, timeout_ms)
+        finally:
+            monitor.close(linger=0)
+
+    def _serve_until_stopped(self, sock: zmq.Socket, monitor: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> None:
         while not self._stop.is_set():
             try:
-                if not poller.poll(timeout_ms):
+                ready = dict(poller.poll(timeout_ms))
+                if monitor in ready:
+                    self._connection_events(monitor)
+                if sock not in ready:
                     continue
                 # Drain what is queued, bounded so that a flood cannot delay a stop for long.
                 for _ in range(64):
@@ -273,6 +298,59 @@ class SideChannelServer:
             except zmq.ZMQError:
                 logger.exception("side channel %s: socket error", self.endpoint)
                 self._stop.wait(self.poll_interval_s)
+
+    def _connection_events(self, monitor: zmq.Socket) -> None:
+        for _ in range(64):
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                if not self.connections.accepted():
+                    _cut(int(event["value"]), self.port)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connections.closed()
+
+
+class _ConnectionBound:
+    """Counts a server's open connections; `accepted()` is False for one over the bound (to be cut)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self.cut = 0
+
+    def accepted(self) -> bool:
+        self.open += 1
+        if self.open <= self.limit:
+            return True
+        self.cut += 1
+        if self.cut == 1 or self.cut % 1000 == 0:
+            logger.warning(
+                "side channel: %d connections open, the bound is %d: cutting new ones", self.open, self.limit
+            )
+        return False
+
+    def closed(self) -> None:
+        self.open = max(0, self.open - 1)
+
+
+def _cut(fd: int, port: int) -> None:
+    """Shut down the accepted TCP connection on `fd` (libzmq's; it then closes it itself and reports it closed).
+
+    The fd may already be closed and reused by the time its event is read: only a TCP socket whose local port is
+    this server's is touched (the worst case is another connection of this server, which reconnects)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        if sock.type == socket.SOCK_STREAM and sock.getsockname()[1] == port:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 def exchange(
