@@ -151,3 +151,25 @@ def test_a_dead_engine_fails_the_next_loads_at_once(workers):
     elapsed = time.monotonic() - t0
     print(f"three loads to a dead engine failed in {1000 * elapsed:.0f} ms")
     assert failed == {"next-0", "next-1", "next-2"} and elapsed < 0.5
+
+
+def test_an_idle_step_waits_for_an_outstanding_load_and_no_longer(workers):
+    """results(wait_s) (vLLM's idle steps): with a load outstanding it blocks until that load is reported, which
+    ends the wait at once; with none outstanding it returns at once. Negative control: results() without a wait
+    returns before the load finishes, which is what let vLLM's idle loop spin."""
+    prefill, decode, config, _ = workers
+    healthy_load(prefill, decode, config, -1)  # connected: the next load takes milliseconds
+    t0 = time.monotonic()
+    assert decode.results(0.5)[:2] == (set(), set())
+    assert time.monotonic() - t0 < 0.05  # nothing outstanding: no wait
+    prefill.hold("idle", (1, 2), token="token-idle", prompt_hash="h")
+    job = LoadJob("decode-idle", source("healthy", config.side_channel_port, "idle"), (3, 4), (1, 2))
+    decode.load(job)
+    assert decode.results()[0] == set()  # the negative control: no wait, not done yet
+    waited, done = [], set()
+    while not done and len(waited) < 10:
+        t0 = time.monotonic()
+        done = decode.results(2.0)[0]
+        waited.append(time.monotonic() - t0)
+    assert done == {"decode-idle"}, waited
+    assert len(waited) == 1 and waited[0] < 1.0, waited  # woken by the report, not by the 2 s bound

@@ -92,6 +92,11 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Decode side: load only kv_transfer_params computed for this request's prompt (token count and hash).
     Off only for tests that show what the check prevents: a decode may then load another prompt's KV."""
 
+    idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
+    """Decode side: on a step with nothing scheduled and loads outstanding, wait up to this long for one to finish
+    (a finished load ends the wait at once). vLLM steps continuously while loads are pending; that busy loop left
+    other processes' threads (a prefill worker's side channel on a shared core) 15 s on the run queue. 0: off."""
+
     def check_role(self, producer: bool, consumer: bool) -> None:
         """Refuse settings that contradict each other for this role (ConfigError naming both keys)."""
         if producer and consumer and self.lease_s < self.transfer_timeout_s + READ_MARGIN_S:

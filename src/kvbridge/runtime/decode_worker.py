@@ -103,6 +103,8 @@ class DecodeWorker:
         self.sealer = Sealer(key, window_s=config.auth_window_s) if key else None
         self._regions = tuple(regions)
         self._lock = threading.Lock()  # results and stats
+        self._reported = threading.Condition(self._lock)  # notified when a load is reported
+        self._outstanding = 0  # loads queued to report and not yet reported (under _lock)
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._stats = TransferStats()
@@ -149,6 +151,9 @@ class DecodeWorker:
         """Queue a job (the engine's step thread); it never blocks."""
         now = time.monotonic()
         load = Load(job, now, now + self.config.transfer_timeout_s)
+        if job.report:
+            with self._lock:
+                self._outstanding += 1
         if job.refused or job.source is None:
             self._refuse(load, job.refused or "no prefill location")
             return
@@ -158,12 +163,18 @@ class DecodeWorker:
         future = self.peers.connect(job.source)
         future.add_done_callback(lambda f: self._admit(load, f))
 
-    def results(self) -> tuple[set[str], set[str], TransferStats]:
+    def results(self, wait_s: float = 0.0) -> tuple[set[str], set[str], TransferStats]:
         """(ids loaded, ids that failed, stats) since the last call; failed ids are not in the loaded set.
 
         Polls the active reads too (unless the transfer thread is busy): vLLM steps continuously while a load
-        is pending, so completions are seen at once even when the transfer thread is starved of CPU."""
+        is pending, so completions are seen at once even when the transfer thread is starved of CPU. With
+        `wait_s`, loads outstanding and none reported yet, waits up to `wait_s` for one first."""
         self.nixl.poll_if_free()
+        if wait_s > 0:
+            with self._lock:
+                if self._outstanding > 0 and not self._done and not self._failed:
+                    self._reported.wait(wait_s)
+            self.nixl.poll_if_free()
         with self._lock:
             done, self._done = self._done, set()
             failed, self._failed = self._failed, set()
@@ -245,11 +256,17 @@ class DecodeWorker:
             load.engine = engine
             if time.monotonic() > load.deadline:
                 raise TransferTimeout(f"not started after {self.config.transfer_timeout_s:g} s")
+            # Counted on its engine from here to its report: an engine retired meanwhile (evicted, restarted) is
+            # not reaped, its NIXL agents and IPC mappings kept, while this load waits to be posted.
+            self.peers.begin(engine)
+            load.begun = True
             load.read_ranks = self._ranks_read(load, engine)
             if self.config.verify_requests and load.job.remote_blocks and load.read_ranks:
                 stale = self._claim(load, engine)
                 if stale:
                     self.peers.drop(engine, f"worker {stale} restarted (new epoch)")
+                    self.peers.end(engine)
+                    load.begun = False
                     if retried:
                         raise TransferError(f"prefill engine {engine.key[0]} restarted twice during one claim")
                     self._claim_step(load, self.peers.connect(load.job.source), retried=True)
@@ -329,10 +346,9 @@ class DecodeWorker:
                     self._fail(load, "internal error in the transfer thread (see log)")
 
     def _post(self, load: Load) -> None:
-        """Count a claimed load on its engine, then hand it to its path: kernels if the engine has them, else READs."""
+        """Hand a claimed load (counted on its engine since its claim) to its path: kernels if the engine has them,
+        else READs."""
         engine = load.engine
-        self.peers.begin(engine)
-        load.begun = True
         if time.monotonic() > load.deadline:
             self._fail(load, f"not started after {self.config.transfer_timeout_s:g} s")
             return
@@ -390,6 +406,8 @@ class DecodeWorker:
         with self._lock:
             if load.job.report:
                 (self._done if ok else self._failed).add(load.job.request_id)
+                self._outstanding -= 1
+                self._reported.notify_all()
 
     # -- notifier -----------------------------------------------------------------------------------
 

@@ -68,7 +68,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVBridgeMetadata:
-        return self._scheduler.build_connector_meta()
+        meta = self._scheduler.build_connector_meta()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
@@ -117,7 +119,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._worker.transfer_results()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, KVBridgeMetadata) and meta.idle
+        sending, recving, failed = self._worker.transfer_results(wait=idle)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:

@@ -19,3 +19,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
     holds: list[tuple[str, tuple[int, ...], str, str]] = field(default_factory=list)
     """Prefill side: finished requests (id, block ids, token, prompt hash) whose blocks stay held for readers."""
+
+    idle: bool = False
+    """No tokens scheduled this step. vLLM steps continuously while loads are pending: on an idle step a decode
+    worker waits briefly for a load to finish instead of answering at once (`idle_wait_s`)."""

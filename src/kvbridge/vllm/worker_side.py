@@ -112,8 +112,13 @@ class WorkerSide:
             for request_id, block_ids, token, phash in meta.holds:
                 self.prefill.hold(request_id, block_ids, token, phash)
 
-    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets."""
+    def transfer_results(self, wait: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets.
+
+        `wait` (an idle step: nothing scheduled): with loads outstanding and none finished, wait up to
+        `idle_wait_s` for one, rather than return at once. vLLM steps continuously while a load is pending; with
+        the engine, its workers and their spinning waits ping-ponging through every core, other processes'
+        threads (a prefill worker's side channel sharing a core) waited 15 s on the run queue (issue "Liveness")."""
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
@@ -124,7 +129,7 @@ class WorkerSide:
             self.stats.record_leases(counts["aborted"] - self._aborted, counts["refused"] - self._refused)
             self._aborted, self._refused = counts["aborted"], counts["refused"]
         if self.decode is not None:
-            done, failed, stats = self.decode.results()
+            done, failed, stats = self.decode.results(self.config.idle_wait_s if wait else 0.0)
             recving = done | failed
             self.stats.record(stats)
         return sending, recving, failed
