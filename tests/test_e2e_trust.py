@@ -87,13 +87,13 @@ def prompt(seed: int, n: int = 300) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(n)]
 
 
-def prefill_params(servers, tokens: list[int]) -> dict:
-    reply = complete(servers["prefill"].url, tokens, 1, kv_transfer_params={"do_remote_decode": True})
+def prefill_params(servers, tokens: list[int], **fields) -> dict:
+    reply = complete(servers["prefill"].url, tokens, 1, kv_transfer_params={"do_remote_decode": True}, **fields)
     return reply["kv_transfer_params"]
 
 
-def tokens_of(url: str, tokens: list[int], params: dict | None = None, n: int = 8) -> list[int]:
-    return complete(url, tokens, n, kv_transfer_params=params)["choices"][0]["token_ids"]
+def tokens_of(url: str, tokens: list[int], params: dict | None = None, n: int = 8, **fields) -> list[int]:
+    return complete(url, tokens, n, kv_transfer_params=params, **fields)["choices"][0]["token_ids"]
 
 
 def counts(url: str) -> tuple[float, dict[str, float]]:
@@ -158,6 +158,32 @@ def test_under_policy_fail_a_swapped_load_is_a_clear_error(servers):
         tokens_of(strict.url, a, pb)
     assert wait_rejected(strict.url, "prompt_hash", before + 1) == before + 1
     assert tokens_of(strict.url, b, pb) == tokens_of(servers["prefill"].url, b)  # its owner still can
+
+
+def test_params_computed_under_one_cache_salt_are_refused_under_another(servers):
+    """Same tokens, another cache_salt (another tenant, as vLLM's prefix cache keys it): refused before any
+    connection, the request computes its own, and the counter says why. The controls: the same salt loads them,
+    and the decode with the prompt check off takes them under another salt (so the oracle can tell)."""
+    decode, unchecked = servers["decode"], servers["unchecked"]
+    for seed, (given, used) in enumerate((("tenant-a", "tenant-b"), ("tenant-a", None), (None, "tenant-b")), 40):
+        a = prompt(seed)  # a prompt of its own: the decode's prefix cache must not serve it
+        reference = tokens_of(servers["prefill"].url, a)
+        salted = prefill_params(servers, a, **({"cache_salt": given} if given else {}))
+        moved, reasons = counts(decode.url)
+        assert tokens_of(decode.url, a, salted, **({"cache_salt": used} if used else {})) == reference
+        assert wait_rejected(decode.url, "prompt_hash", reasons.get("prompt_hash", 0) + 1) > reasons.get(
+            "prompt_hash", 0
+        ), (given, used)
+        assert counts(decode.url)[0] == moved, "no KV may be loaded under another salt"
+        if given:  # the owner, with its own salt, still loads them
+            assert tokens_of(decode.url, a, salted, cache_salt=given) == reference
+            assert counts(decode.url)[0] == moved + len(a)
+    a = prompt(43)
+    reference = tokens_of(servers["prefill"].url, a)
+    salted = prefill_params(servers, a, cache_salt="tenant-a")
+    moved = counts(unchecked.url)[0]
+    assert tokens_of(unchecked.url, a, salted, cache_salt="tenant-b") == reference
+    assert counts(unchecked.url)[0] == moved + len(a), "the unchecked decode should have loaded them"
 
 
 def test_params_used_twice_are_refused_the_second_time(servers):

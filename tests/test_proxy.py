@@ -37,6 +37,7 @@ from kvbridge.serving.launcher import (
     VllmServer,
     complete,
     complete_streaming,
+    ensure_key_file,
     free_base_port,
     free_port,
     metric_sum,
@@ -378,9 +379,9 @@ def test_both_legs_get_the_right_bodies():
         params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "p-0"}
         assert decode == {**BODY, "kv_transfer_params": {**params, "prompt_key": prompt_key(BODY)}}
         metrics = httpx.get(url + "/metrics", timeout=5).text
-        assert f'kvbridge_proxy_leg_requests_total{{backend="{ps.url}",leg="prefill"}} 1.0' in metrics
-        assert f'kvbridge_proxy_backend_inflight{{backend="{ds.url}",leg="decode"}} 0.0' in metrics
-        assert f'kvbridge_proxy_backend_up{{backend="{ds.url}",leg="decode"}} 1.0' in metrics
+        assert 'kvbridge_proxy_leg_requests_total{backend="prefill-0",leg="prefill"} 1.0' in metrics
+        assert 'kvbridge_proxy_backend_inflight{backend="decode-0",leg="decode"} 0.0' in metrics
+        assert 'kvbridge_proxy_backend_up{backend="decode-0",leg="decode"} 1.0' in metrics
         assert 'kvbridge_proxy_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
         assert 'kvbridge_proxy_leg_seconds_count{leg="decode"} 1.0' in metrics
         assert httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"] == "d"
@@ -593,18 +594,21 @@ def _answers(url: str) -> bool:
 # --- kvbridge serve --dry-run -----------------------------------------------------------------------------
 
 
-def kvbridge(*args: str) -> subprocess.CompletedProcess:
+def kvbridge(*args: str, config_home: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "VLLM_"))}
+    if config_home is not None:
+        env["XDG_CONFIG_HOME"] = str(config_home)
     return subprocess.run(
         [sys.executable, "-m", "kvbridge.serving.cli", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 
-def test_serve_dry_run_prints_command_and_environment():
+def test_serve_dry_run_prints_command_and_environment(tmp_path):
     out = kvbridge(
         "serve", "--role", "prefill", "--model", "/models/m", "--pp", "2", "--port", "9100",
         "--side-channel-port", "6000", "--lease-s", "20", "--kv-extra", "handshake_retries=3",
         "--platform", "cpu", "--cpu-bind", "0|0", "--dry-run", "--", "--max-model-len", "2048",
+        config_home=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     words = shlex.split(out.stdout.replace("\\\n", " "), comments=True)
@@ -619,8 +623,14 @@ def test_serve_dry_run_prints_command_and_environment():
         "kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "kvbridge.vllm",
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"handshake_retries": 3, "side_channel_port": 6000, "lease_s": 20.0},
+        "kv_connector_extra_config": {
+            "handshake_retries": 3,
+            "side_channel_port": 6000,
+            "lease_s": 20.0,
+            "auth_key_file": str(tmp_path / "kvbridge" / "deployment.key"),  # the user's key, by default
+        },
     }
+    assert not (tmp_path / "kvbridge").exists(), "a dry run creates nothing"
     assert json.loads(opts["--compilation-config"]) == {"mode": 2, "backend": "eager"}  # PP on CPU
     assert cmd[-2:] == ["--max-model-len", "2048"]
 
@@ -695,6 +705,7 @@ def test_real_vllm_servers_behind_the_proxy(tmp_path):
     `kvbridge proxy` command in front: outputs equal the prefill server's own, every prompt token reaches the
     decode server through kvbridge, and a stopped decode server gives the client a JSON error, not a hang."""
     model = build_tiny_model(tmp_path / "model")
+    key_file, _ = ensure_key_file(tmp_path / "deployment.key")  # one key for the servers and the proxy
     prefill = VllmServer(
         model,
         port=free_port(),
@@ -704,7 +715,11 @@ def test_real_vllm_servers_behind_the_proxy(tmp_path):
             "kv_connector": "KVBridgeConnector",
             "kv_connector_module_path": "kvbridge.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"side_channel_port": free_base_port(2), "lease_s": 30},
+            "kv_connector_extra_config": {
+                "side_channel_port": free_base_port(2),
+                "lease_s": 30,
+                "auth_key_file": str(key_file),
+            },
         },
         name="prefill",
         log_path=tmp_path / "prefill.log",
@@ -712,6 +727,7 @@ def test_real_vllm_servers_behind_the_proxy(tmp_path):
     decode_url = f"http://127.0.0.1:{free_port()}"
     decode_args = ["--role", "decode", "--model", str(model), "--port", decode_url.rsplit(":", 1)[1]]
     decode_args += ["--platform", "cpu", "--cpu-bind", "1", "--kv-cache-gib", "1", "--dtype", "float32"]
+    decode_args += ["--auth-key-file", str(key_file)]
     decode_args += ["--log-file", str(tmp_path / "decode.log"), "--", "--skip-tokenizer-init"]
     t0 = time.monotonic()
     with prefill, serve_process(decode_args, tmp_path / "serve.out") as serve:
@@ -719,6 +735,7 @@ def test_real_vllm_servers_behind_the_proxy(tmp_path):
         prefill.wait_ready(300)
         print(f"servers ready after {time.monotonic() - t0:.0f} s")
         cmd = [sys.executable, "-m", "kvbridge.serving.cli", "proxy", "--prefill", prefill.url, "--decode", decode_url]
+        cmd += ["--auth-key-file", str(key_file)]
         with proxy_process([*cmd, "--port", "0", "--log-level", "warning", "--prefill-timeout", "60"]) as url:
             rng = random.Random(11)
             prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (150, 300, 90, 200)]

@@ -195,6 +195,55 @@ def test_client_connections_are_limited():
                     sock.close()
 
 
+def post_from(url: str, address: str) -> httpx.Response:
+    """A completion request from the loopback `address` (any 127.x.y.z is this machine: another client)."""
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=address)) as client:
+        return client.post(url + "/v1/completions", json=BODY, timeout=10)
+
+
+def test_connections_per_client_address_are_limited():
+    """Three idle connections from 127.0.0.1 with a limit of 3: its next one gets a JSON 429 and is closed, while
+    another address is served; once they close, 127.0.0.1 is served again. The negative control: with the limit
+    off (0), the same fourth connection is served."""
+    p, d = FakeBackend("p"), FakeBackend("d")
+    for limit, status in ((3, 429), (0, 200)):
+        with (
+            running(p, d) as (ps, ds),
+            proxy_for([ps.url], [ds.url], max_connections_per_client=limit) as (url, _),
+        ):
+            idle = [connect(url) for _ in range(3)]
+            try:
+                time.sleep(0.2)  # accepted by the server
+                reply = post_from(url, "127.0.0.1")
+                assert reply.status_code == status, reply.text
+                if status == 429:
+                    assert reply.json()["error"]["type"] == "too_many_connections"
+                    assert reply.headers["connection"] == "close"
+                    assert post_from(url, "127.0.0.2").status_code == 200, "another client is not limited"
+            finally:
+                for sock in idle:
+                    sock.close()
+            deadline = time.monotonic() + 5
+            while post_from(url, "127.0.0.1").status_code != 200:  # their count is given back
+                assert time.monotonic() < deadline, "closed connections still count"
+                time.sleep(0.1)
+
+
+def test_metrics_name_backends_and_never_show_their_urls():
+    """/metrics needs no authentication, like /health: backends are labelled prefill-0, decode-0, and no URL (nor
+    its host or port) appears; the names are mapped to URLs only in the proxy's start-up output and log."""
+    p, d = FakeBackend("p"), FakeBackend("d")
+    down = dead_url()
+    with running(p, d) as (ps, ds), proxy_for([down, ps.url], [ds.url], health_interval_s=60) as (url, _):
+        for _ in range(2):  # one reaches the down backend and is retried on the live one
+            assert httpx.post(url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+        text = httpx.get(url + "/metrics", timeout=5).text
+        assert 'backend="prefill-1"' in text and 'backend="decode-0"' in text  # the control: backends are there
+        assert 'kvbridge_proxy_leg_failures_total{backend="prefill-0",leg="prefill",reason="connect"} 1.0' in text
+        for secret in (down, ps.url, ds.url, urlsplit(ps.url).netloc, "127.0.0.1"):
+            assert secret not in text
+
+
 def test_headers_are_bounded():
     p, d = FakeBackend("p"), FakeBackend("d")
     with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url], max_header_bytes=8192) as (url, _):
@@ -231,13 +280,16 @@ def test_safe_defaults_reach_uvicorn_and_the_command_line_sets_them():
     assert (config.head_timeout_s, config.body_timeout_s, config.max_request_id_chars) == (10.0, 10.0, 128)
     uv = uvicorn_config(Proxy(config))
     assert (uv.limit_concurrency, uv.timeout_keep_alive, uv.h11_max_incomplete_event_size) == (1024, 5.0, 16384)
+    assert config.max_connections_per_client == 256
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = ["--prefill", "http://p", "--decode", "http://d", "--head-timeout", "3", "--body-timeout", "4"]
     argv += ["--keepalive-timeout", "2", "--max-header-bytes", "4096", "--max-client-connections", "9"]
     argv += ["--max-json-depth", "8", "--max-request-id-chars", "40", "--max-inflight", "7", "--max-body-bytes", "99"]
+    argv += ["--max-connections-per-client", "5"]
     args = parser.parse_args(argv)
     got = config_from_args(args)
+    assert got.max_connections_per_client == 5
     assert (got.head_timeout_s, got.body_timeout_s, got.keepalive_timeout_s) == (3, 4, 2)
     assert (got.max_header_bytes, got.max_client_connections, got.max_json_depth) == (4096, 9, 8)
     assert (got.max_request_id_chars, got.max_inflight, got.max_body_bytes) == (40, 7, 99)

@@ -9,6 +9,10 @@ kv_transfer_params), and prints one row per request: prompt tokens, TTFT, KV byt
 the decode server's kvbridge metrics), and whether the output equals a non-disaggregated run. It ends with one
 summary line: requests, how many equal the aggregated run, median TTFT, KV moved in all and its rate.
 Every process it started is stopped on success, failure and Ctrl-C.
+
+Both servers share a deployment key, so their side channels answer only each other: a fresh random key in a
+private temporary file (0600, removed at the end) unless --auth-key-file names one. --insecure-no-key runs
+without one (loopback only, and any local process could then read the KV).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from kvbridge.core.topology import ParallelLayout
 from kvbridge.serving.launcher import (
+    INSECURE_WARNING,
     VllmServer,
     complete,
     complete_streaming,
@@ -32,6 +37,7 @@ from kvbridge.serving.launcher import (
     kvbridge_config,
     metric_sum,
     metrics,
+    private_key_file,
 )
 from kvbridge.serving.tiny_model import build_tiny_model
 
@@ -44,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--workdir", default=".kvbridge-demo", help="where the model and server logs go")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--auth-key-file", metavar="PATH", help="the deployment key (default: a fresh one in a private temp file)"
+    )
+    key.add_argument(
+        "--insecure-no-key", action="store_true", help="no deployment key: any local process can read the KV"
+    )
 
 
 def _cores(workers: int, side: int) -> str:
@@ -57,14 +70,19 @@ def _cores(workers: int, side: int) -> str:
     return "|".join(str(cores[i % len(cores)]) for i in range(workers))
 
 
-def _server(name: str, model: Path, layout: ParallelLayout, side: int, workdir: Path) -> VllmServer:
+def _server(
+    name: str, model: Path, layout: ParallelLayout, side: int, workdir: Path, key_file: Path | None
+) -> VllmServer:
+    secure = {"auth_key_file": str(key_file)} if key_file is not None else {}
     return VllmServer(
         model,
         port=free_port(),
         pp=layout.pp,
         tp=layout.tp,
         cpu_bind=_cores(layout.workers_per_engine, side),
-        kv_transfer_config=kvbridge_config("kv_both", side_channel_port=free_base_port(layout.workers_per_engine)),
+        kv_transfer_config=kvbridge_config(
+            "kv_both", side_channel_port=free_base_port(layout.workers_per_engine), **secure
+        ),
         name=name,
         log_path=workdir / f"{name}.log",
     )
@@ -143,6 +161,16 @@ def summary(rows: list[tuple[float, float, float, bool]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.insecure_no_key:
+        print(INSECURE_WARNING, file=sys.stderr, flush=True)
+        return _run(args, None)
+    with private_key_file(args.auth_key_file) as key_file:
+        made = "given" if args.auth_key_file else "a fresh random key, removed at the end"
+        print(f"deployment key: {key_file} ({made}); the side channels answer only holders of it", flush=True)
+        return _run(args, key_file)
+
+
+def _run(args: argparse.Namespace, key_file: Path | None) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     prefill_layout = ParallelLayout.parse(args.prefill)
@@ -152,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"building a tiny seeded Qwen2 model in {workdir / 'model'} ...", flush=True)
         model = build_tiny_model(workdir / "model")
-    prefill = _server("prefill", model, prefill_layout, 0, workdir)
-    decode = _server("decode", model, decode_layout, 1, workdir)
+    prefill = _server("prefill", model, prefill_layout, 0, workdir, key_file)
+    decode = _server("decode", model, decode_layout, 1, workdir, key_file)
     print(f"starting prefill ({prefill_layout}) and decode ({decode_layout}) vLLM servers; logs in {workdir}")
     with prefill, decode:  # entering starts them; leaving stops them, also on errors and Ctrl-C
         _wait_all([prefill, decode], args.startup_timeout)

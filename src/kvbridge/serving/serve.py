@@ -11,11 +11,19 @@ Transport settings are added only where the environment leaves them unset: `VLLM
 unless it is a wildcard: vLLM then picks this machine's address, which the connector advertises),
 `UCX_NET_DEVICES=lo` when `--host` is a loopback address (the default: everything stays on this machine), and on
 vLLM's CPU build `UCX_TLS=self,sm,cma,tcp` (on GPUs the connector's `ucx_tls: auto` lets UCX pick
-cuda_ipc/cuda_copy). To serve other hosts, pass `--host 0.0.0.0 --kv-extra side_channel_host=0.0.0.0` (and
-`advertise_host` if needed); UCX then picks the network. On vLLM's CPU build the defaults of `kvbridge.serving.launcher`
+cuda_ipc/cuda_copy). To serve other hosts, name this host's address on the network they reach:
+`--host 10.0.0.1 --kv-extra side_channel_host=10.0.0.1 --kv-extra ucx_net_devices=eth1` (a wildcard also needs
+`advertise_host`), with the deployment key below. On vLLM's CPU build the defaults of `kvbridge.serving.launcher`
 apply: `--enforce-eager` for one pipeline stage, the eager-backend compilation config for PP > 1 (vLLM's eager PP
 bug on CPU), unless the vLLM arguments choose; `--cpu-bind` and `--kv-cache-gib` set `VLLM_CPU_OMP_THREADS_BIND`
 and `VLLM_CPU_KVCACHE_SPACE`.
+
+A deployment key is always used unless asked otherwise: `--auth-key-file PATH` (an existing file), by default
+this user's `~/.config/kvbridge/deployment.key` (created with a fresh random key, owner-only, if missing), so
+that servers started one by one on this machine share it; give the same file to `kvbridge proxy --auth-key-file`
+and copy it to every other host of the deployment. `--kv-extra auth_key_file=...` works too. `--insecure-no-key`
+runs without one, with a loud warning: the side channel then answers anyone on this machine (and refuses to
+listen beyond loopback).
 
 The process handling is `kvbridge.serving.launcher.VllmServer`'s: the server runs in its own session with its output
 in a log file, which is echoed here; Ctrl-C or SIGTERM stops its whole process tree.
@@ -39,7 +47,14 @@ from typing import Any, TextIO
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import ConfigError
-from kvbridge.serving.launcher import PP_COMPILATION_CONFIG, VllmServer
+from kvbridge.serving.launcher import (
+    INSECURE_WARNING,
+    PP_COMPILATION_CONFIG,
+    VllmServer,
+    default_key_file,
+    ensure_key_file,
+    key_file_warning,
+)
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200, "both": 8000}
@@ -81,6 +96,8 @@ class ServeSpec:
     cpu_bind: str | None = None
     kv_cache_gib: float | None = None
     vllm_args: tuple[str, ...] = ()
+    auth_key_file: str | None = None
+    """The deployment key's file, added to the extra config (unless `kv_extra` names a key itself); None: none."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -109,6 +126,8 @@ class ServeSpec:
 
     def extra_config(self) -> dict[str, Any]:
         extra = dict(self.kv_extra)
+        if self.auth_key_file is not None and not extra.keys() & {"auth_key", "auth_key_file"}:
+            extra["auth_key_file"] = self.auth_key_file
         if self.side_channel_port is not None:
             extra["side_channel_port"] = self.side_channel_port
         if self.lease_s is not None:
@@ -263,9 +282,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto", help="auto: cpu with vllm-cpu")
     p.add_argument("--cpu-bind", help="CPU build: VLLM_CPU_OMP_THREADS_BIND, one core list per worker ('0|1')")
     p.add_argument("--kv-cache-gib", type=float, help="CPU build: VLLM_CPU_KVCACHE_SPACE")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--auth-key-file",
+        metavar="PATH",
+        help="the deployment key, the same file on every instance and the proxy (default "
+        f"{default_key_file()}, created if missing)",
+    )
+    key.add_argument(
+        "--insecure-no-key",
+        action="store_true",
+        help="no deployment key: anyone on this machine can read every user's KV (loopback only)",
+    )
     p.add_argument("--log-file", help="vLLM's output (default: a new file in the temp dir); echoed here")
     p.add_argument("--dry-run", action="store_true", help="print the environment and command, start nothing")
     p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS", help="more vLLM arguments, after --")
+
+
+def _announce_key(spec: ServeSpec) -> None:
+    """Create the key file if needed and say which key is used, or warn loudly that none is."""
+    if spec.auth_key_file is None:
+        if not spec.kv_extra.keys() & {"auth_key", "auth_key_file"}:
+            print(INSECURE_WARNING, file=sys.stderr, flush=True)
+        return
+    path, created = ensure_key_file(spec.auth_key_file)
+    how = "created with a fresh random key" if created else "existing"
+    print(
+        f"kvbridge serve: deployment key file {path} ({how}): give the same file to every prefill and decode "
+        "instance (--auth-key-file) and to kvbridge proxy --auth-key-file",
+        flush=True,
+    )
+    warning = key_file_warning(path)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def _parse_extra(items: Sequence[str]) -> dict[str, Any]:
@@ -281,7 +330,28 @@ def _parse_extra(items: Sequence[str]) -> dict[str, Any]:
     return extra
 
 
+def key_file_from_args(args: argparse.Namespace, kv_extra: Mapping[str, Any]) -> str | None:
+    """The key file `kvbridge serve` adds: --auth-key-file, else the user's default; None when the extra config
+    names a key itself or with --insecure-no-key."""
+    if kv_extra.keys() & {"auth_key", "auth_key_file"}:
+        if args.auth_key_file:
+            raise ConfigError("give --auth-key-file or --kv-extra auth_key_file/auth_key, not both")
+        return None
+    if args.insecure_no_key:
+        return None
+    if args.auth_key_file:  # a path the user names must exist: a typo must not make a second key
+        path = Path(args.auth_key_file).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"--auth-key-file {path} does not exist (leave the option out to use {default_key_file()}, "
+                "created if missing, or write one: head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE)"
+            )
+        return str(path)
+    return str(default_key_file())
+
+
 def spec_from_args(args: argparse.Namespace) -> ServeSpec:
+    kv_extra = _parse_extra(args.kv_extra)
     return ServeSpec(
         role=args.role,
         model=args.model,
@@ -291,13 +361,14 @@ def spec_from_args(args: argparse.Namespace) -> ServeSpec:
         port=args.port,
         side_channel_port=args.side_channel_port,
         lease_s=args.lease_s,
-        kv_extra=_parse_extra(args.kv_extra),
+        kv_extra=kv_extra,
         kv_load_failure_policy=args.kv_load_failure_policy,
         dtype=args.dtype,
         platform=detect_platform() if args.platform == "auto" else args.platform,
         cpu_bind=args.cpu_bind,
         kv_cache_gib=args.kv_cache_gib,
         vllm_args=tuple(args.vllm_args),
+        auth_key_file=key_file_from_args(args, kv_extra),
     )
 
 
@@ -305,8 +376,11 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     if args.dry_run:
         print(f"# kvbridge serve --role {spec.role}: added environment, then the command")
+        if spec.auth_key_file is not None:
+            print(f"# deployment key file {spec.auth_key_file} (created when the server starts, if missing)")
         print(shell_line(spec.command(), spec.environment(os.environ)))
         return 0
+    _announce_key(spec)
     server = _ServeProcess(spec, sys.executable, args.log_file)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

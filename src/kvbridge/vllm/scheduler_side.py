@@ -26,6 +26,7 @@ from kvbridge.wire.auth import load_key
 from kvbridge.wire.params import (
     PrefillDone,
     check_binding,
+    kv_extras,
     parse_prefill_done,
     prompt_hash,
     wants_remote_decode,
@@ -118,6 +119,7 @@ class SchedulerSide:
             max_workers=self.config.max_remote_workers,
             window_s=self.config.auth_window_s,
             check_prompt=self.config.check_prompt,
+            extras=kv_extras(request),
         )
         while self._seen and next(iter(self._seen.values()))[1] + self.config.auth_window_s < now:
             self._seen.popitem(last=False)
@@ -219,7 +221,7 @@ class SchedulerSide:
             remote_num_tokens=len(prompt),
             tp_size=self.layout.tp,
             pp_size=self.layout.pp,
-            remote_prompt_hash=prompt_hash(prompt),
+            remote_prompt_hash=prompt_hash(prompt, kv_extras(request)),
             remote_token=secrets.token_hex(16),
             remote_expires=round(time.time() + self.config.lease_s, 3),
         )

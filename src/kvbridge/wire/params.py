@@ -19,14 +19,16 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
     remote_num_tokens   prompt tokens whose KV the prefill computed
     tp_size, pp_size    the prefill layout as NixlConnector reports it
     kvbridge_protocol   kvbridge's wire protocol version (kvbridge)
-    remote_prompt_hash  hash of the prompt's token ids (`prompt_hash`): the KV is this prompt's and no other's
+    remote_prompt_hash  hash of the prompt's token ids and of everything else that shapes its KV (`prompt_hash`,
+                        `kv_extras`: LoRA adapter, cache_salt, multimodal inputs, prompt embeddings): the KV is
+                        this prompt's and no other's
     remote_token        the request's secret: claims, notifications and aborts must carry it
     remote_expires      unix time after which the prefill no longer holds the blocks for an unclaimed read
     kvbridge_sig        HMAC of all the above with the deployment key (absent without a key)
 
-A decode instance loads the KV only for a request whose prompt has `remote_num_tokens` tokens hashing to
-`remote_prompt_hash` (`check_binding`), and with a key only params the prefill signed, unexpired; otherwise the
-request is prefilled locally (or fails under kv_load_failure_policy=fail), and a counter says why.
+A decode instance loads the KV only for a request whose prompt has `remote_num_tokens` tokens hashing, with its
+`kv_extras`, to `remote_prompt_hash` (`check_binding`), and with a key only params the prefill signed, unexpired;
+otherwise the request is prefilled locally (or fails under kv_load_failure_policy=fail), and a counter says why.
 """
 
 from __future__ import annotations
@@ -46,11 +48,15 @@ from kvbridge.wire import auth
 from kvbridge.wire.messages import PROTOCOL_VERSION
 
 _SIGNED = b"kv_transfer_params-v1"
+_EXTRAS_TAG = b"kvbridge-kv-extras-v1\0"
 MAX_WORKERS = 65536
 """No parsed params name a larger prefill layout (the config's max_remote_workers is usually far smaller)."""
 MAX_BLOCKS = 1 << 20
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+"""A block id: vLLM's are small indexes; larger ones (the review's 2**63) are refused when the params are parsed,
+not deep in a transfer thread."""
 
 
 class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,7 +66,7 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     do_remote_decode: bool = False
     remote_engine_id: str
     remote_request_id: str
-    remote_block_ids: list[NonNegative]
+    remote_block_ids: list[BlockId]
     remote_host: str
     remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     remote_dp_rank: NonNegative = 0
@@ -92,12 +98,52 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
         return auth.verify(key, _SIGNED, self._payload(), self.kvbridge_sig)
 
 
-def prompt_hash(token_ids: Sequence[int]) -> str:
-    """The identity of a prompt's computed prefix: SHA-256 of its token ids (uint32, little-endian), 32 hex."""
+def prompt_hash(token_ids: Sequence[int], extras: tuple[Any, ...] = ()) -> str:
+    """The identity of a prompt's computed prefix, 32 hex: SHA-256 of its token ids (uint32, little-endian), and
+    with `extras` (`kv_extras`) SHA-256 of a domain tag, the token count, the ids and the msgpack of the extras.
+    Without extras the value is the tokens-only hash of earlier versions."""
     data = array("I", token_ids)  # 4 bytes on every platform CPython supports
     if sys.byteorder == "big":  # pragma: no cover
         data.byteswap()
-    return hashlib.sha256(data.tobytes()).hexdigest()[:32]
+    if not extras:
+        return hashlib.sha256(data.tobytes()).hexdigest()[:32]
+    digest = hashlib.sha256(_EXTRAS_TAG + len(data).to_bytes(8, "little") + data.tobytes())
+    digest.update(msgspec.msgpack.encode(extras))
+    return digest.hexdigest()[:32]
+
+
+def kv_extras(request: Any) -> tuple[Any, ...]:
+    """What besides its token ids makes a vLLM request's KV what it is, as vLLM 0.32's prefix cache keys a block
+    (`kv_cache_utils.generate_block_hash_extra_keys`): the LoRA adapter (name and path), the cache salt, each
+    multimodal input (its content hash and where its placeholder tokens sit) and prompt embeddings (a digest of
+    the tensor and of the token/embedding mask). Read by attribute name (a vLLM `Request`, or any object with
+    those attributes); empty for a plain prompt. Prefill and decode must load an adapter under the same name and
+    path, as vLLM's own cache requires."""
+    extras: list[Any] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extras.append(("lora", str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")))
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        extras.append(("cache_salt", str(salt)))
+    for feature in getattr(request, "mm_features", None) or ():
+        place = feature.mm_position
+        extras.append(("mm", str(feature.identifier), int(place.offset), int(place.length)))
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        mask = getattr(request, "prompt_is_token_ids", None)
+        extras.append(("prompt_embeds", _tensor_digest(embeds), bytes(bool(m) for m in mask) if mask else b""))
+    return tuple(extras)
+
+
+def _tensor_digest(tensor: Any) -> str:
+    """SHA-256 of a torch tensor's dtype, shape and bytes (only imported for requests with prompt embeddings)."""
+    import torch
+
+    flat = tensor.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{flat.dtype}{tuple(flat.shape)}".encode())
+    digest.update(flat.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def check_binding(
@@ -109,10 +155,12 @@ def check_binding(
     max_workers: int,
     window_s: float = 30.0,
     check_prompt: bool = True,
+    extras: tuple[Any, ...] = (),
 ) -> None:
     """Raise ParamsRefused (its `reason` is the metric label) unless `done` may be loaded for this prompt: signed
     with `key` (when there is one), not expired, a layout within `max_workers`, and computed for exactly these
-    tokens (`check_prompt` False skips only that last comparison: the tests' negative control). Nothing here
+    tokens and `extras` (`kv_extras` of the request; `check_prompt` False skips only that last comparison: the
+    tests' negative control). Nothing here
     connects anywhere or allocates anything."""
     if key is not None:
         if not done.kvbridge_sig:
@@ -135,7 +183,7 @@ def check_binding(
             f"kv_transfer_params: remote_num_tokens is {done.remote_num_tokens} but the prompt has "
             f"{len(prompt_token_ids)} tokens",
         )
-    if not done.remote_prompt_hash or done.remote_prompt_hash != prompt_hash(prompt_token_ids):
+    if not done.remote_prompt_hash or done.remote_prompt_hash != prompt_hash(prompt_token_ids, extras):
         raise ParamsRefused("prompt_hash", "kv_transfer_params: remote_prompt_hash is not this prompt's")
 
 

@@ -43,7 +43,7 @@ class Backend:
 
     @property
     def name(self) -> str:
-        """How clients see this backend ("prefill-0"): its URL stays in the log and the metrics."""
+        """How clients and the metrics see this backend ("prefill-0"): its URL stays in the log."""
         return f"{self.kind}-{self.index}"
 
 

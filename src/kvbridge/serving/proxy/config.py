@@ -2,7 +2,8 @@
 
 The client-facing bounds default to values safe on a public port (review 2026-12-01, §6): a slow client is cut
 after `head_timeout_s` / `body_timeout_s`, bodies are at most 1 MiB, at most `max_inflight` requests are handled
-and `max_client_connections` connections served at once, and one request fans out to at most
+and `max_client_connections` connections served at once (`max_connections_per_client` of them from one client
+address), and one request fans out to at most
 `max_prompts_per_request` x `max_n` sub-requests.
 """
 
@@ -65,6 +66,10 @@ class ProxyConfig:
     """Largest request line plus headers (uvicorn `h11_max_incomplete_event_size`; larger: 400, closed)."""
     max_client_connections: int = 1024
     """Client connections served at once (uvicorn `limit_concurrency`; requests beyond it get 503)."""
+    max_connections_per_client: int = 256
+    """Client connections one address may hold at once (more are answered 429 and closed), so that one client
+    cannot take all of `max_client_connections`. 0: no such limit (behind a gateway, every client has its
+    address: bound clients there)."""
     max_json_depth: int = 64
     """Deepest nesting of arrays and objects in a request body (400 above)."""
     max_request_id_chars: int = 128
@@ -94,7 +99,7 @@ class ProxyConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("connect_retries", "max_inflight", "backend_keepalive_s"):
+        for name in ("connect_retries", "max_inflight", "backend_keepalive_s", "max_connections_per_client"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.auth_key_file is not None and not self.auth_key_file:

@@ -195,7 +195,7 @@ class Flow:
         try:
             return json.loads(content)
         except (ValueError, RecursionError):
-            self.metrics.leg_failures.labels(DECODE, backend.url, "bad_reply").inc()
+            self.metrics.leg_failures.labels(DECODE, backend.name, "bad_reply").inc()
             msg = f"{backend.name} answered choice {sub.index} with a body that is not JSON"
             raise LegFailed(502, error_json(502, "bad_gateway", msg, backend.name)) from None
 

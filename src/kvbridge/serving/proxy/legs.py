@@ -63,7 +63,7 @@ class Upstream:
         except (ValueError, AttributeError, RecursionError):
             params = None
         if not isinstance(params, dict) or not params:
-            self.metrics.leg_failures.labels(PREFILL, backend.url, "bad_reply").inc()
+            self.metrics.leg_failures.labels(PREFILL, backend.name, "bad_reply").inc()
             msg = (
                 f"{backend.name} returned no kv_transfer_params: is it running KVBridgeConnector "
                 "(or NixlConnector) with kv_role kv_producer or kv_both?"
@@ -123,7 +123,7 @@ class Upstream:
             headers=dict(headers),
             timeout=httpx.Timeout(timeout, connect=self.config.connect_timeout_s),
         )
-        self.metrics.leg_requests.labels(kind, backend.url).inc()
+        self.metrics.leg_requests.labels(kind, backend.name).inc()
         try:
             resp = await client.send(request, stream=True)
         except httpx.TransportError as exc:
@@ -135,7 +135,7 @@ class Upstream:
                 raise self.transport_failure(kind, backend, exc, timeout) from None
             finally:
                 await close_shielded(resp)
-            self.metrics.leg_failures.labels(kind, backend.url, f"http_{resp.status_code}").inc()
+            self.metrics.leg_failures.labels(kind, backend.name, f"http_{resp.status_code}").inc()
             raise LegFailed(resp.status_code, content, resp.headers.get("content-type", "application/json"))
         return resp
 
@@ -151,12 +151,12 @@ class Upstream:
         if isinstance(exc, httpx.TimeoutException):
             if connect:
                 self.health.mark_down(backend, f"{name} after {self.config.connect_timeout_s} s")
-            self.metrics.leg_failures.labels(kind, backend.url, "connect_timeout" if connect else "timeout").inc()
+            self.metrics.leg_failures.labels(kind, backend.name, "connect_timeout" if connect else "timeout").inc()
             limit = self.config.connect_timeout_s if connect else timeout
             msg = f"{backend.name} did not answer within {limit} s ({name})"
             return LegFailed(504, error_json(504, "gateway_timeout", msg, backend.name), retry=connect)
         self.health.mark_down(backend, f"{name}: {exc}")
-        self.metrics.leg_failures.labels(kind, backend.url, "connect" if connect else "broken").inc()
+        self.metrics.leg_failures.labels(kind, backend.name, "connect" if connect else "broken").inc()
         what = "is unreachable" if connect else "broke the connection"
         msg = f"{backend.name} {what} ({name})"
         return LegFailed(502, error_json(502, "bad_gateway", msg, backend.name), retry=connect)

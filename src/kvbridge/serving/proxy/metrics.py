@@ -1,5 +1,7 @@
 """The proxy's Prometheus metrics (`kvbridge_proxy_*`), in a registry of their own: several proxies may live in
-one process (the tests), and prometheus_client is imported only here, when a proxy is made."""
+one process (the tests), and prometheus_client is imported only here, when a proxy is made. Backends are labelled
+by name (`prefill-0`, as in /health and errors): /metrics is as unauthenticated as /health, and backend URLs are
+for the log (which prints each name's URL at start)."""
 
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ class _BalancerCollector:
             "kvbridge_proxy_backend_inflight", "Outstanding requests per backend", labels=labels
         )
         for b in self.balancer.backends():
-            up.add_metric([b.kind, b.url], 1.0 if b.up else 0.0)
-            inflight.add_metric([b.kind, b.url], float(b.outstanding))
+            up.add_metric([b.kind, b.name], 1.0 if b.up else 0.0)
+            inflight.add_metric([b.kind, b.name], float(b.outstanding))
         yield up
         yield inflight

@@ -127,6 +127,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="client connections served at once (more get 503)",
     )
     p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=d.max_connections_per_client,
+        metavar="N",
+        help="client connections one address may hold at once, more get 429 (0: no limit)",
+    )
+    p.add_argument(
         "--max-json-depth", type=int, default=d.max_json_depth, metavar="N", help="deepest nesting in a request body"
     )
     p.add_argument(
@@ -166,6 +173,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         keepalive_timeout_s=args.keepalive_timeout,
         max_header_bytes=args.max_header_bytes,
         max_client_connections=args.max_client_connections,
+        max_connections_per_client=args.max_connections_per_client,
         max_json_depth=args.max_json_depth,
         max_request_id_chars=args.max_request_id_chars,
     )
@@ -178,7 +186,7 @@ def uvicorn_config(proxy: Proxy, log_level: str = "info", access_log: bool = Fal
     cfg = proxy.config
     return uvicorn.Config(
         proxy.app(),
-        http=head_timeout_protocol(cfg.head_timeout_s),
+        http=head_timeout_protocol(cfg.head_timeout_s, cfg.max_connections_per_client),
         log_level=log_level,
         access_log=access_log,
         lifespan="on",
@@ -211,8 +219,13 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     server = uvicorn.Server(uvicorn_config(proxy, args.log_level, args.access_log))
     print(f"kvbridge proxy listening on {socket_url(sock)}", flush=True)
-    for kind in KINDS:
-        print(f"  {kind}: {', '.join(b.url for b in proxy.balancer.backends(kind))}", flush=True)
+    for kind in KINDS:  # names are what clients and /metrics see; the URLs behind them only here and in the log
+        print(f"  {kind}: {', '.join(f'{b.name}={b.url}' for b in proxy.balancer.backends(kind))}", flush=True)
+    if config.auth_key_file is None:
+        log.warning(
+            "no --auth-key-file: releases of prefill KV are not sealed, so servers with a deployment key ignore "
+            "them (their blocks stay held until the lease ends); give the servers' key file"
+        )
     try:
         server.run(sockets=[sock])  # after a graceful shutdown on a signal, uvicorn raises that signal again
     except KeyboardInterrupt:
