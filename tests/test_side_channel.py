@@ -620,3 +620,18 @@ def test_connections_beyond_the_bound_are_cut(limit: int) -> None:
         for sock in flood:
             sock.close()
         server.close()
+
+
+def test_the_connection_bound_cuts_from_the_address_holding_the_most() -> None:
+    bound = sc.ConnectionBound(limit=4, per_address=3)
+    assert [bound.accepted(fd, "a") for fd in (10, 11, 12)] == [[], [], []]
+    assert bound.accepted(13, "a") == [13]  # a 4th from one address: over its bound
+    assert bound.accepted(14, "b") == []
+    assert bound.accepted(15, "c") == [12]  # 5 open > 4: the newest of the address holding the most
+    bound.closed(12)  # the cut one's close, reported later: already not counted
+    assert bound.open == 4 and bound.cut == 2
+    bound.closed(10)
+    assert bound.accepted(16, "d") == [] and bound.open == 5 - 1
+    for fd in (11, 14, 15, 16, 13):
+        bound.closed(fd)
+    assert bound.open == 0

@@ -56,9 +56,11 @@ MAX_ANSWER_BYTES = 16 * 1024 * 1024
 QUEUED_PER_PEER = 16
 """Messages ZMQ queues per connection (its default, 1000, times the frame size is what a flood could pin)."""
 MAX_CONNECTIONS = 512
-"""Connections a side-channel server keeps open at once; more are cut as they are accepted. Each may pin up to
-QUEUED_PER_PEER frames of MAX_REQUEST_BYTES, so this bounds what a connection flood can pin. A decode worker
-keeps one connection per control thread (8) to each prefill worker it reads from: 512 serves 64 decode ranks."""
+"""Connections a side-channel server keeps open at once. Each may pin up to QUEUED_PER_PEER frames of
+MAX_REQUEST_BYTES, so this bounds what a connection flood can pin. A decode worker keeps one connection per
+control thread (8) to each prefill worker it reads from: 512 serves 64 decode ranks."""
+MAX_CONNECTIONS_PER_ADDRESS = 128
+"""Connections one source address keeps open at once (a decode host of 8 GPUs x 8 control threads needs 64)."""
 
 Handler = Callable[[wire.Message], wire.Message]
 """Answers one decoded message; called on the server's thread. May raise: the peer then gets an error."""
@@ -188,17 +190,20 @@ class SideChannelServer:
         poll_interval_s: float = 0.05,
         max_message_bytes: int = MAX_REQUEST_BYTES,
         max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
         sealer: Sealer | None = None,
     ) -> None:
         """`sealer`: authenticate every frame with the deployment key (None: frames are bare msgpack)."""
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections!r}")
+        if max_connections < 1 or max_connections_per_address < 1:
+            raise ValueError(
+                f"connection bounds must be at least 1, got {max_connections}, {max_connections_per_address}"
+            )
         self.host = host
         self.port = port
         self.handler = handler
         self.poll_interval_s = poll_interval_s
         self.max_message_bytes = max_message_bytes
-        self.connections = _ConnectionBound(max_connections)
+        self.connections = ConnectionBound(max_connections, max_connections_per_address)
         self.sealer = sealer
         self._socket: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -250,8 +255,6 @@ class SideChannelServer:
             # A handler is stuck: leave the socket to its thread rather than close it under it.
             logger.warning("side channel %s did not stop within %.1f s", self.endpoint, timeout_s)
             return
-        with contextlib.suppress(zmq.ZMQError):
-            sock.disable_monitor()
         sock.close(linger=0)
 
     def __enter__(self) -> SideChannelServer:
@@ -269,7 +272,11 @@ class SideChannelServer:
         timeout_ms = max(1, round(self.poll_interval_s * 1000))
         try:
             self._serve_until_stopped(sock, monitor, poller, timeout_ms)
-        finally:
+        finally:  # on this thread, which owns both: stop the monitor while its reader is open, then close that
+            with contextlib.suppress(zmq.ZMQError):
+                while monitor.poll(0):
+                    monitor.recv_multipart(zmq.NOBLOCK)
+                sock.disable_monitor()
             monitor.close(linger=0)
 
     def _serve_until_stopped(self, sock: zmq.Socket, monitor: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> None:
@@ -305,48 +312,102 @@ class SideChannelServer:
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
+            fd = int(event["value"])
             if event["event"] == zmq.EVENT_ACCEPTED:
-                if not self.connections.accepted():
-                    _cut(int(event["value"]), self.port)
+                for victim in self.connections.accepted(fd, _peer_address(fd, self.port)):
+                    _cut(victim, self.port)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self.connections.closed()
+                self.connections.closed(fd)
 
 
-class _ConnectionBound:
-    """Counts a server's open connections; `accepted()` is False for one over the bound (to be cut)."""
+class ConnectionBound:
+    """A server's open connections by fd and source address; `accepted` says which to cut (pure bookkeeping).
 
-    def __init__(self, limit: int) -> None:
+    Beyond `per_address` from one address the new one is cut; beyond `limit` in all, the newest connection of the
+    address holding the most is cut, so one flooding address (idle connections that never send a frame) cannot
+    lock other peers out. A cut connection stops counting at once (its close is reported later)."""
+
+    def __init__(self, limit: int, per_address: int) -> None:
         self.limit = limit
-        self.open = 0
+        self.per_address = per_address
         self.cut = 0
+        self._address: dict[int, str] = {}  # fd -> source address
+        self._fds: dict[str, list[int]] = {}  # source address -> its fds, oldest first
+        self._cutting: set[int] = set()  # cut, close not yet reported
 
-    def accepted(self) -> bool:
-        self.open += 1
-        if self.open <= self.limit:
-            return True
+    @property
+    def open(self) -> int:
+        return len(self._address)
+
+    def accepted(self, fd: int, address: str) -> list[int]:
+        self._cutting.discard(fd)
+        self._address[fd] = address
+        self._fds.setdefault(address, []).append(fd)
+        if len(self._fds[address]) > self.per_address:
+            return self._cut(
+                fd, f"{len(self._fds[address])} from {address}, the bound per address is {self.per_address}"
+            )
+        if len(self._address) > self.limit:
+            heaviest = max(self._fds, key=lambda a: len(self._fds[a]))
+            return self._cut(self._fds[heaviest][-1], f"{len(self._address)} open, the bound is {self.limit}")
+        return []
+
+    def closed(self, fd: int) -> None:
+        if fd in self._cutting:
+            self._cutting.discard(fd)
+        elif (address := self._address.pop(fd, None)) is not None:
+            self._forget(fd, address)
+
+    def _cut(self, fd: int, why: str) -> list[int]:
+        self._forget(fd, self._address.pop(fd))
+        self._cutting.add(fd)
         self.cut += 1
         if self.cut == 1 or self.cut % 1000 == 0:
-            logger.warning(
-                "side channel: %d connections open, the bound is %d: cutting new ones", self.open, self.limit
-            )
-        return False
+            logger.warning("side channel: cutting a connection (%d so far): %s", self.cut, why)
+        return [fd]
 
-    def closed(self) -> None:
-        self.open = max(0, self.open - 1)
+    def _forget(self, fd: int, address: str) -> None:
+        fds = self._fds[address]
+        fds.remove(fd)
+        if not fds:
+            del self._fds[address]
 
 
-def _cut(fd: int, port: int) -> None:
-    """Shut down the accepted TCP connection on `fd` (libzmq's; it then closes it itself and reports it closed).
-
-    The fd may already be closed and reused by the time its event is read: only a TCP socket whose local port is
-    this server's is touched (the worst case is another connection of this server, which reconnects)."""
+def _accepted_socket(fd: int, port: int) -> socket.socket | None:
+    """A duplicate of `fd` if it is a TCP connection accepted on `port` (libzmq's fd may already be closed and
+    reused by the time its event is read: only this server's connections are ever touched)."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return
+        return None
     try:
         if sock.type == socket.SOCK_STREAM and sock.getsockname()[1] == port:
-            sock.shutdown(socket.SHUT_RDWR)
+            return sock
+    except OSError:
+        pass
+    sock.close()
+    return None
+
+
+def _peer_address(fd: int, port: int) -> str:
+    sock = _accepted_socket(fd, port)
+    if sock is None:
+        return "?"
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "?"
+    finally:
+        sock.close()
+
+
+def _cut(fd: int, port: int) -> None:
+    """Shut down the accepted TCP connection on `fd`: libzmq then closes it itself and reports it closed."""
+    sock = _accepted_socket(fd, port)
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
     finally:
