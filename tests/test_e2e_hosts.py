@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 import shutil
+import subprocess
+import threading
 import time
 
 import pytest
@@ -124,8 +126,73 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
             after = metric_sum(metrics(decode.url), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
             assert after - before == len(prompt), "after the link came back the KV should be transferred again"
 
+            # Cut the link while a READ is in flight: the path to the decode host is slowed to 4 Mbit/s (a 300-token
+            # READ then takes about 3 s), and the prefill host is cut off once 200 kB of it have left.
+            prompt = [rng.randrange(1, 1000) for _ in range(300)]
+            params = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})[
+                "kv_transfer_params"
+            ]
+            reference = complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+            answer: dict = {}
+
+            def decode_leg() -> None:
+                t0 = time.monotonic()
+                try:
+                    got = complete(decode.url, prompt, 8, kv_transfer_params=params, timeout=120)
+                    answer["tokens"] = got["choices"][0]["token_ids"]
+                except Exception as exc:  # reported below
+                    answer["error"] = exc
+                answer["seconds"] = time.monotonic() - t0
+
+            subprocess.run(
+                [
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dh.link,
+                    "root",
+                    "tbf",
+                    "rate",
+                    "4mbit",
+                    "burst",
+                    "16kb",
+                    "latency",
+                    "50ms",
+                ],
+                check=True,
+            )
+            leg = threading.Thread(target=decode_leg)
+            try:
+                sent = ph.tx_bytes()
+                leg.start()
+                deadline = time.monotonic() + 20
+                while ph.tx_bytes() - sent < 200_000 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                in_flight = ph.tx_bytes() - sent
+                subprocess_ip("link", "set", ph.link, "down")
+                leg.join(90)
+            finally:
+                subprocess_ip("link", "set", ph.link, "up")
+                subprocess.run(["tc", "qdisc", "del", "dev", dh.link, "root"], capture_output=True)
+                leg.join(90)
+            print(f"cut mid-READ after {in_flight} bytes: answered in {answer.get('seconds', -1):.1f} s")
+            assert 200_000 <= in_flight < kv_bytes_per_block * 3, f"the cut came at {in_flight} bytes, not mid-READ"
+            assert "error" not in answer, answer
+            assert answer["tokens"] == reference, "a READ cut in flight must be recomputed, never used"
+            assert answer["seconds"] < 40, answer
+            deadline = time.monotonic() + 10 + 5 + LEASE_S + 15  # a claimed read is pinned transfer timeout + 5 s
+            while prefill.kv_usage() != baseline and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert prefill.kv_usage() == baseline, "the prefill host leaked the cut request's blocks"
+            assert decode.kv_usage() == 0.0, "the decode host leaked the cut request's blocks"
+            prompt = [rng.randrange(1, 1000) for _ in range(250)]
+            params = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})[
+                "kv_transfer_params"
+            ]
+            tokens = complete(decode.url, prompt, 8, kv_transfer_params=params)["choices"][0]["token_ids"]
+            assert tokens == complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+
 
 def subprocess_ip(*args: str) -> None:
-    import subprocess
-
     subprocess.run(["ip", *args], check=True)
