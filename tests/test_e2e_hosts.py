@@ -6,6 +6,9 @@ to TCP on each host's own device (no shared memory, CMA or CUDA IPC between host
 so the KV must cross the link: the prefill host's transmitted bytes are checked against the KV size. Then the
 prefill host's link is cut in the middle of a request: the decode side recomputes within a bounded time, the
 prefill side frees the held blocks when the lease expires, and requests succeed again once the link is back.
+With the path to the decode host slowed (tc tbf, 4 Mbit/s) so that a READ takes seconds, the link is then cut
+while a READ is in flight, and last the prefill server is killed while one is: each answered by recompute with
+the aggregated tokens, in bounded time, with no block left held.
 """
 
 from __future__ import annotations
@@ -133,49 +136,10 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
                 "kv_transfer_params"
             ]
             reference = complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
-            answer: dict = {}
-
-            def decode_leg() -> None:
-                t0 = time.monotonic()
-                try:
-                    got = complete(decode.url, prompt, 8, kv_transfer_params=params, timeout=120)
-                    answer["tokens"] = got["choices"][0]["token_ids"]
-                except Exception as exc:  # reported below
-                    answer["error"] = exc
-                answer["seconds"] = time.monotonic() - t0
-
-            subprocess.run(
-                [
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    dh.link,
-                    "root",
-                    "tbf",
-                    "rate",
-                    "4mbit",
-                    "burst",
-                    "16kb",
-                    "latency",
-                    "50ms",
-                ],
-                check=True,
+            cut = lambda: subprocess_ip("link", "set", ph.link, "down")  # noqa: E731
+            answer, in_flight = mid_read(
+                decode, ph, dh, prompt, params, cut, lambda: subprocess_ip("link", "set", ph.link, "up")
             )
-            leg = threading.Thread(target=decode_leg)
-            try:
-                sent = ph.tx_bytes()
-                leg.start()
-                deadline = time.monotonic() + 20
-                while ph.tx_bytes() - sent < 200_000 and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                in_flight = ph.tx_bytes() - sent
-                subprocess_ip("link", "set", ph.link, "down")
-                leg.join(90)
-            finally:
-                subprocess_ip("link", "set", ph.link, "up")
-                subprocess.run(["tc", "qdisc", "del", "dev", dh.link, "root"], capture_output=True)
-                leg.join(90)
             print(f"cut mid-READ after {in_flight} bytes: answered in {answer.get('seconds', -1):.1f} s")
             assert 200_000 <= in_flight < kv_bytes_per_block * 3, f"the cut came at {in_flight} bytes, not mid-READ"
             assert "error" not in answer, answer
@@ -192,6 +156,55 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
             ]
             tokens = complete(decode.url, prompt, 8, kv_transfer_params=params)["choices"][0]["token_ids"]
             assert tokens == complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+
+            # Last: the prefill server killed (SIGKILL) while a READ from it is in flight.
+            prompt = [rng.randrange(1, 1000) for _ in range(300)]
+            params = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})[
+                "kv_transfer_params"
+            ]
+            reference = complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+            answer, in_flight = mid_read(decode, ph, dh, prompt, params, prefill.kill, lambda: None)
+            print(f"prefill killed mid-READ after {in_flight} bytes: answered in {answer.get('seconds', -1):.1f} s")
+            assert 200_000 <= in_flight < kv_bytes_per_block * 3, f"the kill came at {in_flight} bytes, not mid-READ"
+            assert "error" not in answer, answer
+            assert answer["tokens"] == reference, "a READ from a killed prefill must be recomputed, never used"
+            assert answer["seconds"] < 40, answer
+            assert decode.kv_usage() == 0.0, "the decode host leaked the request's blocks"
+            assert complete(decode.url, prompt, 8)["choices"][0]["token_ids"] == reference  # still serving
+
+
+def mid_read(decode, ph, dh, prompt, params, act, undo) -> tuple[dict, int]:
+    """The decode leg of `params` with the path to the decode host slowed to 4 Mbit/s (a 300-token READ takes
+    about 3 s); `act()` once 200 kB of the READ have left the prefill host, `undo()` after. (answer, bytes sent
+    when it acted): answer has "tokens" or "error", and "seconds"."""
+    answer: dict = {}
+
+    def decode_leg() -> None:
+        t0 = time.monotonic()
+        try:
+            got = complete(decode.url, prompt, 8, kv_transfer_params=params, timeout=120)
+            answer["tokens"] = got["choices"][0]["token_ids"]
+        except Exception as exc:  # the caller asserts on it
+            answer["error"] = exc
+        answer["seconds"] = time.monotonic() - t0
+
+    shape = ["tc", "qdisc", "add", "dev", dh.link, "root", "tbf", "rate", "4mbit", "burst", "16kb", "latency", "50ms"]
+    subprocess.run(shape, check=True)
+    leg = threading.Thread(target=decode_leg)
+    try:
+        sent = ph.tx_bytes()
+        leg.start()
+        deadline = time.monotonic() + 20
+        while ph.tx_bytes() - sent < 200_000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        in_flight = ph.tx_bytes() - sent
+        act()
+        leg.join(90)
+    finally:
+        undo()
+        subprocess.run(["tc", "qdisc", "del", "dev", dh.link, "root"], capture_output=True)
+        leg.join(90)
+    return answer, in_flight
 
 
 def subprocess_ip(*args: str) -> None:
