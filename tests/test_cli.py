@@ -47,7 +47,8 @@ def test_plan_json_pp2_to_tp2():
 
 
 def test_plan_table():
-    out = kvbridge("plan", "--prefill", "tp=4", "--decode", "pp=1", "--num-layers", "8", "--num-kv-heads", "2")
+    # One layer: each KV head is held by two prefill ranks and read from one (a layer is never cut).
+    out = kvbridge("plan", "--prefill", "tp=4", "--decode", "pp=1", "--num-layers", "1", "--num-kv-heads", "2")
     assert out.returncode == 0, out.stderr
     assert "prefill pp=1,tp=4  ->  decode pp=1,tp=1" in out.stdout
     assert "nobody reads from" in out.stdout

@@ -102,11 +102,19 @@ def test_pp2_to_tp2_example():
 
 
 def test_unread_replicas_have_no_readers():
-    # Prefill tp=4 over 2 heads holds every head twice; a tp=1 decode worker needs each head once.
-    plan = make_plan(ParallelLayout(tp=4), ParallelLayout(tp=1), KVGeometry(4, 2, 64))
+    # Prefill tp=4 over 2 heads holds every head twice; a tp=1 decode worker needs each head of its one layer
+    # once: a layer is not cut, so one replica of each head is read and the other is not.
+    plan = make_plan(ParallelLayout(tp=4), ParallelLayout(tp=1), KVGeometry(1, 2, 64))
     readers = {pw: plan.readers_of(pw) for pw in ParallelLayout(tp=4).workers()}
     assert sum(1 for r in readers.values() if r) == 2
     assert sum(len(r) for r in readers.values()) == 2
+
+
+def test_a_single_reader_splits_its_layers_over_the_replicas():
+    # The same layouts with 4 layers: each head's layers come half from each of its two replicas.
+    plan = make_plan(ParallelLayout(tp=4), ParallelLayout(tp=1), KVGeometry(4, 2, 64))
+    simple = [(r.prefill_worker.tp, r.layers, r.kv_heads) for r in plan]
+    assert simple == [(0, (0, 1), (0, 1)), (1, (2, 3), (0, 1)), (2, (0, 1), (1, 2)), (3, (2, 3), (1, 2))]
 
 
 def test_invalid_layouts_are_refused():

@@ -22,7 +22,8 @@ from kvbridge.core.errors import LayoutError
 from kvbridge.core.topology import KVGeometry
 
 # vLLM 0.32's KVCacheLayout names (outer to inner), plus the older per-layer layouts with K and V planes.
-# L layer, K plane, B block, H head, N token, C channels (2*head_size when K and V share a page).
+# L layer, K plane, B block, H head, N token, C channels (head_size + head_size_v when K and V share a page;
+# MLA's latent is one plane of head_size).
 NAMED_LAYOUTS: dict[str, str] = {
     "LBHNC": "LBHNC",  # CPU default: per layer, each (block, head) page contiguous
     "LBNHC": "LBNHC",  # GPU default (FlashAttention/Triton): heads interleaved per token
@@ -162,7 +163,7 @@ def layer_from_strides(
 
 def layout_nbytes(geometry: KVGeometry, num_layers: int, num_heads: int, num_blocks: int) -> int:
     """Bytes of one worker's KV buffer holding `num_layers` layers of `num_heads` heads."""
-    return num_layers * num_blocks * num_heads * geometry.block_size * 2 * geometry.head_size * geometry.itemsize
+    return num_layers * num_blocks * num_heads * geometry.block_size * geometry.token_channels * geometry.itemsize
 
 
 def synthesize_memory(
@@ -182,13 +183,18 @@ def synthesize_memory(
         raise LayoutError(f"unknown KV layout {layout!r}; known: {', '.join(NAMED_LAYOUTS)}")
     order = NAMED_LAYOUTS[layout]
     planes = 2 if "K" in order else 1
+    if planes == 2 and geometry.head_size_v != geometry.head_size:
+        raise LayoutError(
+            f"layout {layout} keeps K and V in planes of one size; this model's are {geometry.head_size} "
+            f"and {geometry.head_size_v}"
+        )
     size = {
         "L": len(layers),
         "K": 2,
         "B": num_blocks,
         "H": num_heads,
         "N": geometry.block_size,
-        "C": geometry.head_size * (2 // planes),
+        "C": geometry.token_channels // planes,
     }
     stride: dict[str, int] = {}
     step = geometry.itemsize

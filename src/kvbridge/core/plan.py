@@ -7,7 +7,10 @@ notify it (possibly none, for a replica nobody reads from).
 Rules (checked by the property tests):
 - every (layer, KV head) a decode worker holds is read exactly once, from a prefill worker that holds it;
 - when the prefill side replicates a head (tp > KV heads), the decode workers needing it are spread over
-  the replicas rather than piled on the first one.
+  the replicas rather than piled on the first one;
+- when a head has fewer decode readers than prefill replicas (MLA's one latent head held by every prefill TP
+  rank, read by a decode TP of 1), each reader's layers are cut into parts read from different replicas, so
+  every replica serves an equal share of the layers (±1) and no (layer, block) is read twice.
 """
 
 from __future__ import annotations
@@ -59,6 +62,31 @@ def _intersect(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
+def _sources(
+    holders: range, reader: int, readers: int, pp: int, stage: range, layers: range
+) -> list[tuple[int, range]]:
+    """(prefill tp rank, layers) to read one head's `layers` (within prefill stage `stage`) from.
+
+    `reader` is this decode worker's index among the `readers` decode TP ranks holding the head. With at least as
+    many readers as `holders`, each reader takes one holder, rotated by decode stage; with fewer, the stage's
+    layers taken reader by reader (reader r's layer i is unit r * len(stage) + i) are cut into len(holders)
+    equal parts, part k read from holders[k]: two readers of one layer are len(stage) units apart, more than a
+    part, so they use different holders.
+    """
+    if readers >= len(holders):
+        return [(holders[(reader + pp) % len(holders)], layers)]
+    total = readers * len(stage)
+    out: list[tuple[int, range]] = []
+    for layer in layers:
+        part = (reader * len(stage) + layer - stage.start) * len(holders) // total
+        rank = holders[part]
+        if out and out[-1][0] == rank:
+            out[-1] = (rank, range(out[-1][1].start, layer + 1))
+        else:
+            out.append((rank, range(layer, layer + 1)))
+    return out
+
+
 def make_plan(prefill: ParallelLayout, decode: ParallelLayout, geometry: KVGeometry) -> TransferPlan:
     """The plan for every decode worker of one decode engine reading from one prefill engine."""
     prefill.check(geometry)
@@ -71,19 +99,21 @@ def make_plan(prefill: ParallelLayout, decode: ParallelLayout, geometry: KVGeome
         heads_d = decode.kv_heads(num_heads, dw.tp)
         # Which copy of a replicated prefill head this worker takes: decode replicas of one head take
         # different prefill replicas, and so do different decode stages.
-        spread = dw.tp % decode_replicas + dw.pp
+        reader = dw.tp % decode_replicas
         for stage in range(prefill.pp):
-            layers = _intersect(layers_d, prefill.stage_layers(num_layers, stage))
+            stage_layers = prefill.stage_layers(num_layers, stage)
+            layers = _intersect(layers_d, stage_layers)
             if not layers:
                 continue
-            runs: list[tuple[int, int, int]] = []  # (prefill tp rank, first head, end head)
+            runs: list[tuple[int, range, int, int]] = []  # (prefill tp rank, layers, first head, end head)
             for head in heads_d:
                 holders = prefill.holders_of_head(num_heads, head)
-                rank = holders[spread % len(holders)]
-                if runs and runs[-1][0] == rank and runs[-1][2] == head:
-                    runs[-1] = (rank, runs[-1][1], head + 1)
-                else:
-                    runs.append((rank, head, head + 1))
-            for rank, first, end in runs:
-                reads.append(Read(dw, WorkerRank(stage, rank), tuple(layers), (first, end)))
+                for rank, part in _sources(holders, reader, decode_replicas, dw.pp, stage_layers, layers):
+                    last = runs[-1] if runs else None
+                    if last is not None and last[0] == rank and last[1] == part and last[3] == head:
+                        runs[-1] = (rank, part, last[2], head + 1)
+                    else:
+                        runs.append((rank, part, head, head + 1))
+            for rank, part, first, end in runs:
+                reads.append(Read(dw, WorkerRank(stage, rank), tuple(part), (first, end)))
     return TransferPlan(prefill, decode, geometry, tuple(reads))

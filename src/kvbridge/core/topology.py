@@ -50,6 +50,10 @@ class WorkerRank:
 class KVGeometry:
     """What the model's KV cache looks like, independent of how it is split.
 
+    `num_kv_heads` are the distinct KV heads the cache holds (what TP splits, or replicates when tp > heads);
+    `head_size` and `head_size_v` the channels of one head's K and V per token, as in vLLM's attention spec
+    (`head_size_v` defaults to `head_size`). MLA (DeepSeek-V2/V3) caches one latent per token instead: one head
+    of `head_size` = kv_lora_rank + rope dim (576), `head_size_v` 0, held whole by every TP rank.
     `dtype` is the KV cache dtype's name as torch spells it without the prefix ("bfloat16").
     """
 
@@ -58,22 +62,61 @@ class KVGeometry:
     head_size: int
     dtype: str = "bfloat16"
     block_size: int = 16
+    head_size_v: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             _positive(name, getattr(self, name))
         if self.dtype not in DTYPE_SIZES:
             raise LayoutError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+        v = self.head_size_v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise LayoutError(f"head_size_v must be a non-negative integer, got {v!r}")
 
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
+    @property
+    def is_latent(self) -> bool:
+        """One plane (MLA's latent): no separate V."""
+        return self.head_size_v == 0
+
+    @property
+    def token_channels(self) -> int:
+        """Channels one KV head holds per token: K and V (head_size + head_size_v), or MLA's latent."""
+        return self.head_size + self.head_size_v  # type: ignore[operator]
+
     def kv_bytes_per_token(self, layers: int | None = None, heads: int | None = None) -> int:
-        """Bytes of K and V for one token over `layers` layers and `heads` KV heads (default: all)."""
+        """Bytes of KV for one token over `layers` layers and `heads` KV heads (default: all)."""
         layers = self.num_layers if layers is None else layers
         heads = self.num_kv_heads if heads is None else heads
-        return 2 * layers * heads * self.head_size * self.itemsize
+        return layers * heads * self.token_channels * self.itemsize
+
+
+def distinct_kv_heads(rank_heads: int, tp: int, max_tp_shards: int | None, config_heads: int) -> int:
+    """How many distinct KV heads the model's cache holds, from what one TP rank's KV-cache spec says.
+
+    `rank_heads` is the spec's per-rank head count, `max_tp_shards` its "distinct shards across TP" (None when
+    the spec does not say) and `config_heads` the model config's KV heads. MLA's spec says 1 shard of 1 head:
+    one latent, the same on every rank, whatever the config's head count. Without `max_tp_shards` the heads
+    are the config's, split as vLLM splits them; LayoutError if the rank's count contradicts that.
+    """
+    _positive("rank_heads", rank_heads)
+    _positive("tp", tp)
+    if max_tp_shards is not None:
+        _positive("max_tp_shards", max_tp_shards)
+        return rank_heads * min(tp, max_tp_shards)
+    _positive("config_heads", config_heads)
+    expected = max(1, config_heads // tp)
+    if rank_heads != expected:
+        raise LayoutError(
+            f"the KV-cache spec gives a tp={tp} rank {rank_heads} KV heads, the model's {config_heads} split "
+            f"over tp={tp} give {expected}"
+        )
+    return config_heads
 
 
 @dataclass(frozen=True)

@@ -163,13 +163,8 @@ def build_tiny_model(
     if tokenizer:  # only then: the stamps (and so the cached models) of token-id callers stay as they were
         spec["tokenizer"] = _TOKENIZER_VERSION
     out = Path(out_dir)
-    stamp = out / STAMP
-    if not overwrite and stamp.is_file() and (out / "model.safetensors").is_file():
-        try:
-            if json.loads(stamp.read_text()) == spec:
-                return out
-        except (OSError, ValueError):
-            pass
+    if not overwrite and _is_built(out, spec):
+        return out
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -190,16 +185,127 @@ def build_tiny_model(
         pad_token_id=None,
         dtype=dtype,
     )
-    torch_dtype = getattr(torch, dtype)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch_dtype).eval()
-    out.mkdir(parents=True, exist_ok=True)
-    stamp.unlink(missing_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    _save(Qwen2ForCausalLM, config, getattr(torch, dtype), seed, out)
     if tokenizer:
         write_tokenizer(out, vocab, max_positions)
-    stamp.write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
+    (out / STAMP).write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")  # last: the model is complete
+    return out
+
+
+def _is_built(out: Path, spec: dict[str, object]) -> bool:
+    """The model in `out` was built with exactly `spec` (its stamp says so) and its weights are there."""
+    stamp = out / STAMP
+    if not (stamp.is_file() and (out / "model.safetensors").is_file()):
+        return False
+    try:
+        return json.loads(stamp.read_text()) == spec
+    except (OSError, ValueError):
+        return False
+
+
+def _save(model_class, config, torch_dtype, seed: int, out: Path) -> None:
+    """Build `model_class(config)` with weights seeded by `seed` and save it to `out`, removing the stamp first
+    (the caller writes it last, so a half-written directory is never taken for a built one)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).to(torch_dtype).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STAMP).unlink(missing_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    names = set(model.state_dict())
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as saved:
+        missing = sorted(names - set(saved.keys()))
+    # vLLM's "weights not initialized" check skips unquantized linear layers: a weight missing from the file
+    # would leave a layer at vLLM's own initial values without any error, so check here.
+    if missing and not getattr(config, "tie_word_embeddings", False):
+        raise ValueError(f"weights missing from the saved model: {missing[:5]}")
+
+
+MLA_KV_LORA_RANK = 512
+MLA_ROPE_DIM = 64
+"""vLLM 0.32's CPU MLA kernel is compiled for one latent width only: kv_lora_rank 512 + rope 64 = 576
+(`CPUMLABackend.get_supported_head_sizes()`)."""
+
+
+def build_tiny_deepseek_v2(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 4,
+    hidden: int = 256,
+    num_heads: int = 4,
+    nope_dim: int = 32,
+    v_dim: int = 32,
+    intermediate: int = 512,
+    vocab: int = 1024,
+    max_positions: int = 4096,
+    init_std: float = 0.2,
+    seed: int = 0,
+    dtype: str = "float32",
+    overwrite: bool = False,
+) -> Path:
+    """A tiny DeepSeek-V2 (MLA attention) in `out_dir`, every layer dense, with seeded weights; idempotent like
+    `build_tiny_model`.
+
+    MLA caches one latent per token and layer ([kv_c 512 | k_pe 64], no V), the same on every TP rank. The
+    MoE fields are set but unused: `first_k_dense_replace = num_layers` makes every layer a dense MLP (vLLM's
+    loader needs `n_routed_experts` set even then). `q_lora_rank=None` (a plain q_proj), and the rope and nope
+    head dims differ (vLLM's config convertor rewrites them when they are equal).
+    """
+    if nope_dim == MLA_ROPE_DIM:
+        raise ValueError(f"nope_dim must differ from the rope dim {MLA_ROPE_DIM} (vLLM's convertor rewrites it)")
+    spec = _spec(
+        arch="deepseek_v2",
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=num_heads,
+        nope_dim=nope_dim,
+        v_dim=v_dim,
+        intermediate=intermediate,
+        vocab=vocab,
+        max_positions=max_positions,
+        init_std=init_std,
+        seed=seed,
+        dtype=dtype,
+    )
+    out = Path(out_dir)
+    if not overwrite and _is_built(out, spec):
+        return out
+
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        moe_intermediate_size=intermediate // 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        kv_lora_rank=MLA_KV_LORA_RANK,
+        qk_rope_head_dim=MLA_ROPE_DIM,
+        qk_nope_head_dim=nope_dim,
+        v_head_dim=v_dim,
+        q_lora_rank=None,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=num_layers,
+        moe_layer_freq=1,
+        max_position_embeddings=max_positions,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        dtype=dtype,
+    )
+    _save(DeepseekV2ForCausalLM, config, getattr(torch, dtype), seed, out)
+    (out / STAMP).write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
     return out
 
 

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvbridge.core.config import BridgeConfig
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.vllm.vllm_facts import cache_spec
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +49,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
         config = BridgeConfig.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        cache_spec(kv_cache_config)  # refuses, at startup, a KV cache kvbridge cannot move (ConfigError naming it)
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -85,7 +85,12 @@ class WorkerSide:
             layout,
             dp_rank,
             worker_rank(),
-            geometry(self.vllm_config, str(first.dtype).removeprefix("torch."), memory.layers[0].block_size),
+            geometry(
+                self.vllm_config,
+                str(first.dtype).removeprefix("torch."),
+                memory.layers[0].block_size,
+                self.kv_cache_config,
+            ),
             physical_order(memory),
         )
         mem_type = "VRAM" if first.is_cuda else "DRAM"
