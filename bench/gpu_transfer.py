@@ -10,6 +10,9 @@ prompt tokens, contiguous/scattered blocks) it times:
   copy       torch copy_ of as many contiguous bytes, cuda:0 -> cuda:1, in this process (the hardware reference)
   nixl       kvbridge's path: coalesced descriptors, NIXL READs (UCX, VRAM) between the two processes
   nixl-blk   the same with one descriptor per (layer, block): what vLLM's NixlConnector posts
+  nixl-prep  kvbridge's prepared lists (`NixlTransport.prepare` once per (decode, prefill) worker pair: every run
+             of every block; `read_prepared` names the request's runs by index: NIXL's make_prepped_xfer)
+  nixl-contig  the anchor: the same transport moving the same bytes per READ as one contiguous region
   kernel     the prefill buffers shared through CUDA IPC; a kernel on GPU 0 copies every coalesced descriptor's
              bytes into GPU 1 over NVLink (bench/gpu_peer_gather.py), for each kernel configuration
 
@@ -21,6 +24,10 @@ settings, every figure) to --out.
 
     python3 bench/gpu_transfer.py                      # on nvidia-h200-x2; see bench/GPU_RESULTS.md
     .venv/bin/python bench/gpu_transfer.py --sim-cpu   # the same logic on CPU buffers (DRAM NIXL, memmove kernel)
+
+One GPU (`--decode-gpu 0`): both sides on cuda:0. `--nixl-peer` says where the prefill agent lives: `process` (the
+spawned prefill process, as across hosts), `agent` (a second agent in this process, over buffers allocated here),
+`self` (NIXL loopback: this process's one agent reads its own registered prefill buffers).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_peer_gather as gather  # noqa: E402
-from kvbridge.core.descriptors import Descriptors, worker_descriptors  # noqa: E402
+from kvbridge.core.descriptors import Descriptors, PreparedTable, worker_descriptors  # noqa: E402
 from kvbridge.core.memory import NAMED_LAYOUTS, WorkerMemory, synthesize_memory  # noqa: E402
 from kvbridge.core.plan import TransferPlan, make_plan  # noqa: E402
 from kvbridge.core.segments import worker_segments  # noqa: E402
@@ -139,32 +146,45 @@ def sync(*devices: torch.device) -> None:
 # -- the prefill process -----------------------------------------------------------------------------------
 
 
+def prefill_buffers(args, device: torch.device) -> dict[tuple[str, WorkerRank], torch.Tensor]:
+    """Every prefill worker's buffer on `device`, filled with its seeded pattern."""
+    g = geometry(args)
+    bufs: dict[tuple[str, WorkerRank], torch.Tensor] = {}
+    for text, rank in worker_keys(args, 0):
+        layers, heads = worker_shape(ParallelLayout.parse(text), g, rank)
+        buf = torch.empty(buffer_numel(g, layers, heads, args.blocks), dtype=torch.bfloat16, device=device)
+        if device.type == "cpu":
+            buf.share_memory_()  # before registering: sharing a CPU tensor later would move it
+        fill_pattern(buf.view(INT16), seed_of(text, rank))
+        bufs[(text, rank)] = buf
+    sync(device)
+    return bufs
+
+
+def register_prefill(args, transport: NixlTransport, bufs: dict) -> None:
+    g = geometry(args)
+    for (text, rank), buf in bufs.items():
+        layers, heads = worker_shape(ParallelLayout.parse(text), g, rank)
+        mem = synthesize_memory(
+            "LBNHC", g, list(layers), len(heads), args.blocks, buf.data_ptr(), buf.device.index or 0
+        )
+        transport.register(mem, "DRAM" if args.sim_cpu else "VRAM")
+
+
 def prefill_main(args, cmd_q, resp_q) -> None:
     """Hold the prefill workers' buffers on GPU 0, register them with NIXL, share them on request, and make UCX
     progress (polling notifications with backoff) until told to stop."""
     transport = None
     try:
-        g = geometry(args)
         device = torch.device("cpu" if args.sim_cpu else "cuda:0")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        bufs: dict[tuple[str, WorkerRank], torch.Tensor] = {}
-        for text, rank in worker_keys(args, 0):
-            layers, heads = worker_shape(ParallelLayout.parse(text), g, rank)
-            buf = torch.empty(buffer_numel(g, layers, heads, args.blocks), dtype=torch.bfloat16, device=device)
-            if device.type == "cpu":
-                buf.share_memory_()  # before registering: sharing a CPU tensor later would move it
-            fill_pattern(buf.view(INT16), seed_of(text, rank))
-            bufs[(text, rank)] = buf
-        sync(device)
+        bufs = prefill_buffers(args, device)
         metadata_bytes, nixl_error, ucx_env = None, None, {}
-        if args.nixl:
+        if args.nixl and args.nixl_peer == "process":
             try:
                 transport = NixlTransport(f"prefill-{os.getpid()}", transport_config(args)).start()
-                for (text, rank), buf in bufs.items():
-                    layers, heads = worker_shape(ParallelLayout.parse(text), g, rank)
-                    mem = synthesize_memory("LBNHC", g, list(layers), len(heads), args.blocks, buf.data_ptr(), 0)
-                    transport.register(mem, "DRAM" if args.sim_cpu else "VRAM")
+                register_prefill(args, transport, bufs)
                 metadata_bytes, ucx_env = transport.agent_metadata(), dict(transport.ucx_env)
             except Exception:
                 nixl_error = traceback.format_exc()
@@ -208,12 +228,16 @@ class Bench:
         self.g = geometry(args)
         cpu = args.sim_cpu
         self.pdev = torch.device("cpu" if cpu else "cuda:0")
-        self.ddev = torch.device("cpu" if cpu else "cuda:1")
+        self.ddev = torch.device("cpu" if cpu else f"cuda:{args.decode_gpu}")
+        self.dec_id = 1 if cpu else args.decode_gpu  # the decode regions' device id (NIXL's, for DRAM arbitrary)
         self.dec: dict[tuple[str, WorkerRank], torch.Tensor] = {}
         self.ref: dict[tuple[str, WorkerRank], torch.Tensor] = {}
         self.prefill_ptrs: dict = {}
         self.ipc: dict = {}
         self.transport: NixlTransport | None = None
+        self.target: NixlTransport | None = None  # --nixl-peer agent: the prefill agent, in this process
+        self.local_prefill: dict = {}  # --nixl-peer agent/self: the prefill buffers, in this process
+        self.prepared: dict = {}  # (pair, layout, decode rank, prefill rank) -> PreparedLists
         self.peer = ""
         self.cases: dict[tuple, dict] = {}
         self.log_file = None
@@ -257,11 +281,27 @@ class Bench:
             return "prefill side: " + info["nixl_error"]
         try:
             self.transport = NixlTransport(f"decode-{os.getpid()}", transport_config(self.args)).start()
+            dev = self.dec_id
             for (text, rank), buf in self.dec.items():
                 layers, heads = worker_shape(ParallelLayout.parse(text), self.g, rank)
-                mem = synthesize_memory("LBNHC", self.g, list(layers), len(heads), self.args.blocks, buf.data_ptr(), 1)
+                mem = synthesize_memory(
+                    "LBNHC", self.g, list(layers), len(heads), self.args.blocks, buf.data_ptr(), dev
+                )
                 self.transport.register(mem, "DRAM" if self.args.sim_cpu else "VRAM")
-            self.peer = self.transport.add_peer(info["metadata"])
+            mode = self.args.nixl_peer
+            if mode == "process":
+                self.peer = self.transport.add_peer(info["metadata"])
+            else:
+                self.local_prefill = prefill_buffers(self.args, self.pdev)
+                self.prefill_ptrs = {key: buf.data_ptr() for key, buf in self.local_prefill.items()}
+                if mode == "agent":
+                    self.target = NixlTransport(f"prefill-local-{os.getpid()}", transport_config(self.args)).start()
+                    register_prefill(self.args, self.target, self.local_prefill)
+                    self.peer = self.transport.add_peer(self.target.agent_metadata())
+                else:  # NIXL loopback: the remote side is this agent itself (no metadata to load)
+                    register_prefill(self.args, self.transport, self.local_prefill)
+                    self.peer = self.transport.name
+                    self.transport._peers.add(self.peer)  # the bench's loopback: NixlTransport has no API for it
         except Exception:
             return traceback.format_exc()
         return None
@@ -274,7 +314,13 @@ class Bench:
         for rank in ParallelLayout.parse(text).workers():
             layers, heads = worker_shape(ParallelLayout.parse(text), self.g, rank)
             out[rank] = synthesize_memory(
-                layout, self.g, list(layers), len(heads), self.args.blocks, bases[(text, rank)], side
+                layout,
+                self.g,
+                list(layers),
+                len(heads),
+                self.args.blocks,
+                bases[(text, rank)],
+                self.dec_id if side else 0,
             )
         return out
 
@@ -361,16 +407,25 @@ class Bench:
             self.log(f"error: {out['error'].strip().splitlines()[-1]}")
         return out
 
-    def nixl_fn(self, posts: list):
-        transport = self.transport
+    def nixl_fn(self, posts: list, prepared: bool = False):
+        transport, target = self.transport, self.target
+
+        def post(item):
+            if prepared:
+                lists, src_idx, dst_idx = item
+                return transport.read_prepared(lists, src_idx, dst_idx, b"bench")
+            d, lm, rm = item
+            return transport.read(self.peer, d, lm, rm, b"bench")
 
         def run() -> dict:
             t0 = time.perf_counter()
-            xfers = [transport.read(self.peer, d, lm, rm, b"bench") for d, lm, rm in posts]
+            xfers = [post(item) for item in posts]
             pending = [x for x in xfers if not x.done]
             deadline = t0 + 20
             while pending:
                 pending = [x for x in pending if not transport.poll(x)]
+                if target is not None:
+                    target.notifications()
                 if pending and time.perf_counter() > deadline:
                     for x in xfers:
                         transport.release(x)
@@ -435,7 +490,14 @@ class Bench:
                 )
                 case["nixl"] = case["nixl-blk"] = off
                 continue
-            for variant, coalesce in (("nixl", True), ("nixl-blk", False)):
+            for variant in self.args.nixl_variants:
+                if variant == "nixl-prep":
+                    case[variant] = self.measure_prepared(pair, layout, sb, db)
+                    continue
+                if variant == "nixl-contig":
+                    case[variant] = self.measure_contiguous(pair, layout, sb, db)
+                    continue
+                coalesce = variant == "nixl"
                 built, build_s = self.descriptors(pair, layout, sb, db, self.prefill_ptrs, coalesce)
                 count = sum(len(d) for d, _, _ in built["posts"])
                 assert sum(d.nbytes for d, _, _ in built["posts"]) == nbytes
@@ -450,6 +512,61 @@ class Bench:
                     self.nixl_failures = self.nixl_failures + 1 if "error" in rec else 0
                 case[variant] = rec
             self.log(short_line(case))
+        for lists in self.prepared.values():
+            self.transport.unprepare(lists)
+        self.prepared.clear()
+
+    def measure_prepared(self, pair: str, layout: str, sb: np.ndarray, db: np.ndarray) -> dict:
+        """nixl-prep: each (decode, prefill) worker pair's lists prepared once (timed as prep_s, on first use),
+        then per request only the indices (build_s) and make_prepped_xfer + posting + polling (s)."""
+        ptext, dtext = PAIRS[pair]
+        plan = make_plan(ParallelLayout.parse(ptext), ParallelLayout.parse(dtext), self.g)
+        dst = self.memories(pair, layout, 1, {k: v.data_ptr() for k, v in self.dec.items()})
+        src = self.memories(pair, layout, 0, self.prefill_ptrs)
+        rec: dict = {"prep_s": 0.0, "entries": 0}
+        parts = []
+        try:
+            for r, mem in dst.items():
+                for pw, segments in worker_segments(plan, r, mem, src).items():
+                    key = (pair, layout, r, pw)
+                    if key not in self.prepared:
+                        table = PreparedTable(segments, self.args.blocks, self.args.blocks)
+                        if table.src_entries > self.args.max_prep_entries:
+                            return {"skipped": f"{table.src_entries} entries > --max-prep-entries"}
+                        t0 = time.perf_counter()
+                        self.prepared[key] = self.transport.prepare(self.peer, table, mem, src[pw])
+                        rec["prep_s"] += time.perf_counter() - t0
+                        rec["entries"] += table.src_entries + table.dst_entries
+                    parts.append(self.prepared[key])
+        except Exception:
+            rec["error"] = traceback.format_exc()
+            self.log(f"nixl-prep {pair} {layout}: {rec['error'].strip().splitlines()[-1]}")
+            return rec
+        t0 = time.perf_counter()
+        posts = [(lists, *lists.table.indices(sb, db)) for lists in parts]
+        rec["build_s"] = time.perf_counter() - t0
+        rec["descriptors"] = sum(len(p[1]) for p in posts)
+        rec["reads"] = len(posts)
+        if rec["descriptors"] > self.args.max_nixl_descs:
+            rec["skipped"] = f"{rec['descriptors']} descriptors > --max-nixl-descs {self.args.max_nixl_descs}"
+            return rec
+        check = self.checker(pair, layout, plan, sb, db)
+        rec.update(self.measure(self.nixl_fn(posts, prepared=True), pair, check))
+        return rec
+
+    def measure_contiguous(self, pair: str, layout: str, sb: np.ndarray, db: np.ndarray) -> dict:
+        """nixl-contig, the anchor: each READ of the request (same decode and prefill worker, same bytes) as one
+        descriptor over the start of both buffers. Not byte-checked (it moves other bytes than the request's)."""
+        built, _ = self.descriptors(pair, layout, sb, db, self.prefill_ptrs)
+        posts = []
+        for d, lm, rm in built["posts"]:
+            one = Descriptors(
+                *(np.array([v], dtype=np.int64) for v in (rm.regions[0].addr, lm.regions[0].addr, d.nbytes, 0, 0))
+            )
+            posts.append((one, lm, rm))
+        rec = {"descriptors": len(posts), "reads": len(posts), "checked": False}
+        rec.update(self.measure(self.nixl_fn(posts)))
+        return rec
 
     def phase_kernel(self) -> None:
         configs = [gather.CONFIGS[c] for c in self.args.kernels]
@@ -726,7 +843,8 @@ def cell(case: dict, variant: str, count: str = "descriptors") -> str:
 def short_line(case: dict) -> str:
     return (
         f"{case['pair']} {case['layout']} {case['tokens']} {case['pattern']}: copy {cell(case, 'copy')}"
-        f" nixl {cell(case, 'nixl')} nixl-blk {cell(case, 'nixl-blk')} kernel {cell(case, 'kernel', 'items')}"
+        f" nixl {cell(case, 'nixl')} nixl-blk {cell(case, 'nixl-blk')} nixl-prep {cell(case, 'nixl-prep')}"
+        f" nixl-contig {cell(case, 'nixl-contig')} kernel {cell(case, 'kernel', 'items')}"
         f" gather {cell(case, 'gather', 'programs')} staged {cell(case, 'staged', None)} GB/s"
     )
 
@@ -831,6 +949,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=1.5, help="time budget per variant, caps the repetitions")
     p.add_argument("--max-nixl-descs", type=int, default=150_000, help="skip NIXL above this many descriptors")
+    p.add_argument(
+        "--nixl-variants",
+        nargs="+",
+        default=["nixl", "nixl-blk"],
+        choices=["nixl", "nixl-blk", "nixl-prep", "nixl-contig"],
+        help="NIXL ways to time (see the docstring)",
+    )
+    p.add_argument("--max-prep-entries", type=int, default=1 << 21, help="skip nixl-prep above this many per side")
+    p.add_argument("--nixl-peer", choices=["process", "agent", "self"], default="process", help="see the docstring")
+    p.add_argument("--decode-gpu", type=int, default=1, help="the decode side's GPU (0: one GPU for both)")
     p.add_argument("--kernels", nargs="+", default=list(gather.CONFIGS), choices=list(gather.CONFIGS))
     p.add_argument("--no-nixl", dest="nixl", action="store_false")
     p.add_argument("--no-kernel", dest="kernel", action="store_false", help="skip bench/gpu_peer_gather.py (CuPy)")
@@ -916,6 +1044,10 @@ def main(argv: list[str] | None = None) -> int:
         if bench.transport is not None:  # drop UCX's IPC mappings of the prefill buffers before torch opens them
             bench.transport.close()
             bench.transport = None
+        if bench.target is not None:
+            bench.target.close()
+            bench.target = None
+        bench.local_prefill = {}
         if not args.sim_cpu:  # peer access both ways (PyTorch enables the direction a copy needs)
             torch.empty(1, device=bench.pdev).copy_(torch.ones(1, device=bench.ddev))
             torch.empty(1, device=bench.ddev).copy_(torch.ones(1, device=bench.pdev))
@@ -952,6 +1084,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if bench.transport is not None:
             bench.transport.close()
+        if bench.target is not None:
+            bench.target.close()
         cmd_q.put("stop")
         try:
             kind, info = resp_q.get(timeout=30)

@@ -92,6 +92,12 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Decode side: load only kv_transfer_params computed for this request's prompt (token count and hash).
     Off only for tests that show what the check prevents: a decode may then load another prompt's KV."""
 
+    nixl_prepared_lists: bool | None = None
+    """Decode side: post READs through NIXL descriptor lists prepared once per prefill worker (`prep_xfer_dlist`,
+    then `make_prepped_xfer` with a request's indices) instead of building each request's descriptors. Off until
+    measured faster where it matters (bench/GPU_RESULTS.md, Session 6). None: the KVBRIDGE_NIXL_PREPARED_LISTS
+    environment variable decides ("1": on), for benches and tests."""
+
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     """Decode side: on a step with nothing scheduled and loads outstanding, wait up to this long for one to finish
     (a finished load ends the wait at once). vLLM steps continuously while loads are pending; that busy loop left

@@ -147,3 +147,107 @@ def worker_descriptors(
         merged = expand(segments, s_blocks, d_blocks)
         out[pw] = merged.coalesced() if coalesce else merged
     return out
+
+
+MAX_PREPARED_ENTRIES = 1 << 26
+"""The largest side of a prepared table kvbridge asks NIXL to prepare (about 64 M entries; NIXL indexes with int32)."""
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedTable:
+    """Every run the segments can name, for every block of each side, listed once so that a transport can prepare
+    both lists once per peer and name a request's runs by index.
+
+    Source entry `k * src_num_blocks + b` is run k of source block b (`length[k]` bytes at `src_addr[k] +
+    b * src_block_stride[k]`), and likewise for the destination; `indices` gives a request's pairs of entries in
+    `expand`'s order (segment-major), so the two lists, taken at those indices, are `expand`'s descriptors.
+    """
+
+    segments: Segments
+    src_num_blocks: int
+    dst_num_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.src_num_blocks <= 0 or self.dst_num_blocks <= 0:
+            raise ValueError(
+                f"a prepared table needs blocks on both sides, got {self.src_num_blocks}, {self.dst_num_blocks}"
+            )
+        if not len(self.segments):
+            raise ValueError("a prepared table needs at least one segment")
+        if max(self.src_entries, self.dst_entries) > MAX_PREPARED_ENTRIES:
+            raise ValueError(
+                f"a prepared table of {len(self.segments)} segments x {max(self.src_num_blocks, self.dst_num_blocks)}"
+                f" blocks exceeds {MAX_PREPARED_ENTRIES} entries"
+            )
+
+    @property
+    def src_entries(self) -> int:
+        return len(self.segments) * self.src_num_blocks
+
+    @property
+    def dst_entries(self) -> int:
+        return len(self.segments) * self.dst_num_blocks
+
+    def src_side(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(address, length, region) of every source entry."""
+        s = self.segments
+        return _side(s.src_addr, s.src_block_stride, s.length, s.src_region, self.src_num_blocks)
+
+    def dst_side(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(address, length, region) of every destination entry."""
+        s = self.segments
+        return _side(s.dst_addr, s.dst_block_stride, s.length, s.dst_region, self.dst_num_blocks)
+
+    def indices(
+        self, src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The (source, destination) int32 entry indices of one request's runs; RequestParamsError unless the
+        block lists pair up and lie in the tables."""
+        s_blocks, d_blocks = _int64(src_blocks), _int64(dst_blocks)
+        if s_blocks.shape != d_blocks.shape or s_blocks.ndim != 1:
+            raise RequestParamsError(
+                f"block lists differ in length: {s_blocks.size} source blocks, {d_blocks.size} destination blocks"
+            )
+        check_blocks("source", s_blocks, self.src_num_blocks)
+        check_blocks("destination", d_blocks, self.dst_num_blocks)
+        k = np.arange(len(self.segments), dtype=np.int64)[:, None]
+        src = (k * self.src_num_blocks + s_blocks[None, :]).ravel().astype(np.int32)
+        dst = (k * self.dst_num_blocks + d_blocks[None, :]).ravel().astype(np.int32)
+        return src, dst
+
+    def nbytes(self, num_pairs: int) -> int:
+        """Bytes a request of `num_pairs` block pairs moves."""
+        return self.segments.block_bytes * num_pairs
+
+
+def _side(addr, block_stride, length, region, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b = np.arange(num_blocks, dtype=np.int64)[None, :]
+    return (
+        (addr[:, None] + block_stride[:, None] * b).ravel(),
+        np.repeat(length, num_blocks),
+        np.repeat(region, num_blocks),
+    )
+
+
+def block_runs(src_blocks: np.ndarray, dst_blocks: np.ndarray) -> int:
+    """How many runs of consecutive block pairs (both ids one more than the previous pair's) a request has."""
+    s, d = _int64(src_blocks), _int64(dst_blocks)
+    if not s.size:
+        return 0
+    return 1 + int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1)))
+
+
+def prefer_prepared(segments: Segments, src_blocks: np.ndarray, dst_blocks: np.ndarray, factor: int = 4) -> bool:
+    """Whether a request should name its runs in a prepared table rather than post coalesced descriptors: a
+    prepared table names every run of every block (no merging), so where consecutive blocks lie back to back on
+    both sides (runs of whole blocks) coalescing posts `factor` times fewer descriptors or more, and wins.
+
+    An estimate that reads only the block ids: each run of consecutive blocks coalesces into one descriptor per
+    segment only if that segment's run is its whole block (length == block stride on both sides)."""
+    n = len(src_blocks)
+    if not n or not len(segments):
+        return False
+    whole = (segments.length == segments.src_block_stride) & (segments.length == segments.dst_block_stride)
+    runs = block_runs(src_blocks, dst_blocks)
+    coalesced = int(np.count_nonzero(whole)) * runs + int(np.count_nonzero(~whole)) * n
+    return coalesced * factor > len(segments) * n

@@ -14,7 +14,9 @@ threads); each method takes it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -22,15 +24,23 @@ from collections.abc import Callable
 import numpy as np
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.descriptors import worker_descriptors
+from kvbridge.core.descriptors import (
+    Descriptors,
+    PreparedTable,
+    block_lists,
+    expand,
+    prefer_prepared,
+    worker_descriptors,
+)
 from kvbridge.core.errors import IncompatiblePeerError, KVBridgeError, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import WorkerMemory
+from kvbridge.core.segments import Segments, worker_segments
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.peers import Engine, PeerBook
 from kvbridge.runtime.prefill_worker import transport_config
-from kvbridge.transport.nixl import MemType, NixlTransport
+from kvbridge.transport.nixl import MemType, NixlTransport, PreparedLists
 from kvbridge.wire import messages as wire
 
 logger = logging.getLogger(__name__)
@@ -62,10 +72,14 @@ class NixlReads:
         self.failed = failed
         self.tell = tell
         # A kv_both worker also runs a PrefillWorker: agent names must differ.
-        self.transport = NixlTransport(identity.agent_name + "-reader", transport_config(config, mem_type))
+        transport = dataclasses.replace(transport_config(config, mem_type), prepared_lists=prepared_lists(config))
+        self.transport = NixlTransport(identity.agent_name + "-reader", transport)
         self._lock = threading.Lock()  # the transport, _active and _draining: one caller at a time
         self._active: list[Load] = []  # READs posted
         self._draining: list[Load] = []  # READs done or failed whose release NIXL has not accepted yet
+        # With prepared lists: per prefill agent, its segments and its prepared lists (None: NIXL refused them).
+        self._segments: dict[str, Segments] = {}
+        self._prepared: dict[str, PreparedLists | None] = {}
 
     def start(self) -> None:
         self.transport.start()
@@ -93,16 +107,20 @@ class NixlReads:
             raise IncompatiblePeerError("agent_name", f"{name} of the engine at {owner[1]}:{owner[2]}", name)
         with self._lock:
             if name in self.transport.peers:  # a restarted worker under the same name: its old agent goes
-                with contextlib.suppress(KVBridgeError):
-                    self.transport.remove_peer(name)
+                self._forget_agent(name)
             return self.transport.add_peer(metadata)
 
     def forget(self, engine: Engine) -> None:
         """Remove the agents of a reaped engine (nothing of it in flight)."""
         with self._lock:
             for peer in engine.peers.values():
-                with contextlib.suppress(KVBridgeError):
-                    self.transport.remove_peer(peer.agent)
+                self._forget_agent(peer.agent)
+
+    def _forget_agent(self, name: str) -> None:
+        self._segments.pop(name, None)
+        self._prepared.pop(name, None)
+        with contextlib.suppress(KVBridgeError):
+            self.transport.remove_peer(name)  # releases its prepared lists too
 
     # -- per load ---------------------------------------------------------------------------------
 
@@ -116,12 +134,16 @@ class NixlReads:
                 self._drain_and_fail(load, str(exc))
                 return
             encoded = wire.encode(note)
-            load.nbytes = sum(d.nbytes for d in descs.values())
-            load.descriptors = sum(len(d) for d in descs.values())
+            load.nbytes = sum(r.nbytes for r in descs.values())
+            load.descriptors = sum(len(r) for r in descs.values())
             for rank, d in descs.items():
                 peer = engine.peers[rank]
                 try:
-                    load.transfers.append(self.transport.read(peer.agent, d, self.memory, peer.memory, encoded))
+                    if isinstance(d, Descriptors):
+                        transfer = self.transport.read(peer.agent, d, self.memory, peer.memory, encoded)
+                    else:
+                        transfer = self.transport.read_prepared(d.prepared, d.src_idx, d.dst_idx, encoded)
+                    load.transfers.append(transfer)
                 except TransferError as exc:
                     pending = getattr(exc, "transfer", None)
                     if pending is not None:
@@ -204,18 +226,96 @@ class NixlReads:
             self.loaded(load)
 
     def _descriptors(self, load: Load, engine: Engine) -> dict:
+        """Per prefill worker read: coalesced Descriptors, or a PreparedRead where prepared lists pay off."""
         job = load.job
         if not job.local_blocks:
             return {}
-        descs = worker_descriptors(
-            engine.plan,
-            self.identity.rank,
-            self.memory,
-            {rank: peer.memory for rank, peer in engine.peers.items()},
-            np.asarray(job.remote_blocks, dtype=np.int64),
-            np.asarray(job.local_blocks, dtype=np.int64),
-        )
-        return {rank: d for rank, d in descs.items() if len(d)}
+        src_blocks = np.asarray(job.remote_blocks, dtype=np.int64)
+        dst_blocks = np.asarray(job.local_blocks, dtype=np.int64)
+        sources = {rank: peer.memory for rank, peer in engine.peers.items()}
+        if not self.transport.config.prepared_lists:
+            descs = worker_descriptors(engine.plan, self.identity.rank, self.memory, sources, src_blocks, dst_blocks)
+            return {rank: d for rank, d in descs.items() if len(d)}
+        out: dict = {}
+        for rank, segments in self._peer_segments(engine, sources).items():
+            if not len(segments):
+                continue
+            peer = engine.peers[rank]
+            s_blocks, d_blocks = block_lists(src_blocks, dst_blocks, peer.memory, self.memory)
+            if not s_blocks.size:
+                continue
+            prepared = (
+                self._prepared_lists(peer.agent, segments, peer.memory)
+                if prefer_prepared(segments, s_blocks, d_blocks)
+                else None
+            )
+            if prepared is None:
+                out[rank] = expand(segments, s_blocks, d_blocks).coalesced()
+            else:
+                src_idx, dst_idx = prepared.table.indices(s_blocks, d_blocks)
+                out[rank] = PreparedRead(prepared, src_idx, dst_idx, prepared.table.nbytes(s_blocks.size))
+        return out
+
+    def _peer_segments(self, engine: Engine, sources: dict[WorkerRank, WorkerMemory]) -> dict[WorkerRank, Segments]:
+        """Each prefill worker's segments (empty: not read), computed once per agent."""
+        agents = {rank: peer.agent for rank, peer in engine.peers.items()}
+        if not all(agent in self._segments for agent in agents.values()):
+            segments = worker_segments(engine.plan, self.identity.rank, self.memory, sources)
+            for rank, agent in agents.items():
+                self._segments[agent] = segments.get(rank, Segments.concat([]))
+        return {rank: self._segments[agent] for rank, agent in agents.items()}
+
+    def _prepared_lists(self, agent: str, segments: Segments, memory: WorkerMemory) -> PreparedLists | None:
+        """The agent's prepared lists, made on first use; None (for good) if NIXL or the table's size refuses."""
+        if agent in self._prepared:
+            return self._prepared[agent]
+        prepared = None
+        t0 = time.perf_counter()
+        try:
+            table = PreparedTable(segments, memory.num_blocks, self.memory.num_blocks)
+            prepared = self.transport.prepare(agent, table, self.memory, memory)
+        except (ValueError, KVBridgeError) as exc:
+            logger.warning(
+                "kvbridge decode %s: no prepared descriptor lists for %s (%s): per-request descriptors",
+                self.identity,
+                agent,
+                exc,
+            )
+        else:
+            logger.info(
+                "kvbridge decode %s: prepared %d + %d descriptors for %s in %.1f ms",
+                self.identity,
+                table.src_entries,
+                table.dst_entries,
+                agent,
+                1e3 * (time.perf_counter() - t0),
+            )
+        self._prepared[agent] = prepared
+        return prepared
+
+
+class PreparedRead:
+    """One prefill worker's part of a load, named by index in that worker's prepared lists."""
+
+    __slots__ = ("dst_idx", "nbytes", "prepared", "src_idx")
+
+    def __init__(self, prepared: PreparedLists, src_idx: np.ndarray, dst_idx: np.ndarray, nbytes: int) -> None:
+        self.prepared, self.src_idx, self.dst_idx, self.nbytes = prepared, src_idx, dst_idx, nbytes
+
+    def __len__(self) -> int:
+        return len(self.src_idx)
+
+
+PREPARED_LISTS_ENV = "KVBRIDGE_NIXL_PREPARED_LISTS"
+
+
+def prepared_lists(config: BridgeConfig) -> bool:
+    """Whether the decode worker's READs use prepared descriptor lists: `config.nixl_prepared_lists` where the
+    config has that field, else the environment's KVBRIDGE_NIXL_PREPARED_LISTS ("1": on); off by default."""
+    value = getattr(config, "nixl_prepared_lists", None)
+    if value is not None:
+        return bool(value)
+    return os.environ.get(PREPARED_LISTS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _peer_broken(error: str) -> bool:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvbridge.core.descriptors import Descriptors
+from kvbridge.core.descriptors import Descriptors, PreparedTable
 from kvbridge.core.errors import KVBridgeError, TransferError, TransferTimeout
 from kvbridge.core.memory import Region, WorkerMemory
 
@@ -63,6 +63,12 @@ class TransportConfig:
 
     num_threads: int = 0
     """Worker threads inside the backend (0: the backend's default). More threads only help with many NICs."""
+
+    prepared_lists: bool = False
+    """Readers prepare each peer's descriptor lists once (NIXL's `prep_xfer_dlist`, every run of every block) and
+    name a request's runs by index (`make_prepped_xfer`), instead of building and checking descriptor lists per
+    request (`initialize_xfer`). Requests whose blocks coalesce well still take the per-request path. Off by
+    default until measured on a GPU (bench/GPU_RESULTS.md, session 6)."""
 
     def __post_init__(self) -> None:
         if not self.backend:
@@ -126,6 +132,20 @@ class Transfer:
         return self.state != "PROC"
 
 
+@dataclass(eq=False)
+class PreparedLists:
+    """A peer's prepared descriptor lists (`NixlTransport.prepare`): both sides of a PreparedTable, by index."""
+
+    peer: str
+    table: PreparedTable
+    _local: Any = field(default=None, repr=False)
+    _remote: Any = field(default=None, repr=False)
+
+    @property
+    def released(self) -> bool:
+        return self._local is None and self._remote is None
+
+
 def _region_table(regions: Sequence[Region]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     addr = np.array([r.addr for r in regions], dtype=np.int64)
     end = addr + np.array([r.nbytes for r in regions], dtype=np.int64)
@@ -184,6 +204,7 @@ class NixlTransport:
         self._reg_dlists: list[Any] = []
         self._peers: set[str] = set()
         self._transfers: set[Transfer] = set()
+        self._prepared: dict[str, list[PreparedLists]] = {}
         self._inbox: dict[str, list[bytes]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -228,6 +249,8 @@ class NixlTransport:
         # Let UCX handle endpoint errors still queued (a dead peer): destroying a worker whose failed endpoint
         # still holds pending operations aborts the process (UCX assertion in arbiter.c).
         self._drain(rounds=3)
+        for peer in list(self._prepared):
+            self._unprepare_peer(peer)
         for dlist in self._reg_dlists:
             try:
                 agent.deregister_memory(dlist)
@@ -313,6 +336,7 @@ class NixlTransport:
         if name not in self._peers:
             return
         self._peers.discard(name)
+        self._unprepare_peer(name)
         try:
             self._require().remove_remote_agent(name)
         except Exception as exc:
@@ -365,6 +389,11 @@ class NixlTransport:
         except Exception as exc:
             what = f"creating a READ of {len(descriptors)} descriptors from {peer!r}"
             raise _nixl_error(what, exc) from exc
+        return self._post(transfer, xfer)
+
+    def _post(self, transfer: Transfer, xfer: Any) -> Transfer:
+        agent = self._require()
+        peer = transfer.peer
         transfer._xfer = xfer
         self._transfers.add(transfer)
         try:
@@ -381,6 +410,96 @@ class NixlTransport:
         if status == "DONE":
             transfer.state = "DONE"
         return transfer
+
+    # -- prepared descriptor lists ------------------------------------------------------------------
+
+    def prepare(
+        self,
+        peer: str,
+        table: PreparedTable,
+        local: WorkerMemory | Sequence[Region],
+        remote: WorkerMemory | Sequence[Region],
+        remote_mem_type: MemType | None = None,
+    ) -> PreparedLists:
+        """Prepare both sides of `table` with NIXL once (the destination side in our memory, the source side in
+        `peer`'s), for `read_prepared`. Every entry is checked against its region here, so requests are not.
+        TransferError if NIXL refuses; the caller may then keep to `read`. Released with the peer, or `unprepare`."""
+        agent = self._require()
+        if peer not in self._peers:
+            raise TransferError(f"peer {peer!r} is unknown to {self.name!r} (call add_peer first)")
+        local_regions = local.regions if isinstance(local, WorkerMemory) else tuple(local)
+        remote_regions = remote.regions if isinstance(remote, WorkerMemory) else tuple(remote)
+        d_addr, d_len, d_region = table.dst_side()
+        s_addr, s_len, s_region = table.src_side()
+        local_arr = _side_array("local", d_addr, d_len, d_region, local_regions)
+        remote_arr = _side_array("remote", s_addr, s_len, s_region, remote_regions)
+        mem_type = self._mem_type_of(local_regions, table.segments.dst_region)
+        prepared = PreparedLists(peer, table)
+        try:
+            prepared._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_arr, mem_type)
+            prepared._remote = agent.prep_xfer_dlist(peer, remote_arr, remote_mem_type or mem_type)
+        except Exception as exc:
+            self._release_prepared(prepared)
+            what = f"preparing {len(local_arr)} + {len(remote_arr)} descriptors for {peer!r}"
+            raise _nixl_error(what, exc) from exc
+        self._prepared.setdefault(peer, []).append(prepared)
+        return prepared
+
+    def read_prepared(
+        self, prepared: PreparedLists, src_idx: np.ndarray, dst_idx: np.ndarray, notification: bytes
+    ) -> Transfer:
+        """Post a READ of the prepared entries `src_idx` (the peer's side) into `dst_idx` (ours), as `read` does;
+        the indices come from `prepared.table.indices`."""
+        agent = self._require()
+        peer = prepared.peer
+        if prepared.released or peer not in self._peers:
+            raise TransferError(f"prepared lists for {peer!r} were released (the peer was removed)")
+        if len(src_idx) != len(dst_idx):
+            raise TransferError(f"{len(src_idx)} source and {len(dst_idx)} destination indices do not pair up")
+        n = len(src_idx)
+        pairs = n // len(prepared.table.segments)
+        transfer = Transfer(peer, prepared.table.nbytes(pairs), n, notification, time.monotonic())
+        if n == 0:
+            try:
+                agent.send_notif(peer, notification)
+            except Exception as exc:
+                raise _nixl_error(f"notifying {peer!r}", exc) from exc
+            transfer.state = "DONE"
+            return transfer
+        try:
+            xfer = agent.make_prepped_xfer(
+                "READ",
+                prepared._local,
+                np.ascontiguousarray(dst_idx, dtype=np.int32),
+                prepared._remote,
+                np.ascontiguousarray(src_idx, dtype=np.int32),
+                notification,
+            )
+        except Exception as exc:
+            raise _nixl_error(f"creating a prepared READ of {n} descriptors from {peer!r}", exc) from exc
+        return self._post(transfer, xfer)
+
+    def unprepare(self, prepared: PreparedLists) -> None:
+        """Release one peer's prepared lists (no READ made from them may be in flight). Never raises."""
+        kept = self._prepared.get(prepared.peer, [])
+        if prepared in kept:
+            kept.remove(prepared)
+        self._release_prepared(prepared)
+
+    def _unprepare_peer(self, peer: str) -> None:
+        for prepared in self._prepared.pop(peer, []):
+            self._release_prepared(prepared)
+
+    def _release_prepared(self, prepared: PreparedLists) -> None:
+        for attr in ("_local", "_remote"):
+            handle = getattr(prepared, attr)
+            setattr(prepared, attr, None)
+            if handle is None:
+                continue
+            try:
+                handle.release()
+            except Exception as exc:
+                logger.warning("%s: releasing prepared lists for %s failed: %s", self.name, prepared.peer, exc)
 
     def _mem_type_of(self, regions: Sequence[Region], used: np.ndarray) -> MemType:
         types = set()
