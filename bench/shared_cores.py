@@ -6,9 +6,10 @@ Prefill pp=1 on core 0; decode tp=2 on "1|0" (its second worker shares core 0). 
 protocol (prefill leg max_tokens=1, then the decode leg, policy recompute so a failed load still answers). Per
 request: seconds, whether every prompt token came through kvbridge (external_kv_transfer), and output equal to the
 prefill server's own. Meanwhile a probe thread sends a Claim to the prefill worker's side channel every 0.3 s and
-records each answer's latency (what a decode worker's claim waits). Handshakes and claims with both engines busy.
+records each answer's latency (what a decode worker's claim waits). With --background N, N more client threads
+keep both servers generating (plain 64-token requests) throughout: claims with both engines under full load.
 
-    .venv/bin/python bench/shared_cores.py [--requests 8] [--out bench/results]
+    .venv/bin/python bench/shared_cores.py [--requests 8] [--background 0] [--waits 0 0.005] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -54,7 +55,15 @@ def probe(port: int, stop: threading.Event, out: list) -> None:
         stop.wait(0.3)
 
 
-def run(model: Path, root: Path, idle_wait_s: float, requests: int) -> dict:
+def busy(urls: list[str], stop: threading.Event, seed: int, count: list) -> None:
+    rng = random.Random(seed)
+    while not stop.is_set():
+        for url in urls:
+            complete(url, [rng.randrange(1, 1000) for _ in range(50)], 64, timeout=120, ignore_eos=True)
+            count[0] += 1
+
+
+def run(model: Path, root: Path, idle_wait_s: float, requests: int, background: int = 0) -> dict:
     port = free_base_port(1)
     prefill = VllmServer(
         model,
@@ -82,6 +91,13 @@ def run(model: Path, root: Path, idle_wait_s: float, requests: int) -> dict:
             complete(server.url, [rng.randrange(1, 1000) for _ in range(20)], 2)
         thread = threading.Thread(target=probe, args=(port, stop, lat), daemon=True)
         thread.start()
+        generated = [0]
+        loaders = [
+            threading.Thread(target=busy, args=([prefill.url, decode.url], stop, 100 + i, generated), daemon=True)
+            for i in range(background)
+        ]
+        for loader in loaders:
+            loader.start()
         for _ in range(requests):
             prompt = [rng.randrange(1, 1000) for _ in range(300)]
             before = metric_sum(metrics(decode.url), SOURCE, source="external_kv_transfer")
@@ -94,9 +110,13 @@ def run(model: Path, root: Path, idle_wait_s: float, requests: int) -> dict:
             rows.append({"seconds": round(seconds, 3), "transferred": moved == len(prompt), "equal": same})
         stop.set()
         thread.join()
+        for loader in loaders:
+            loader.join(120)
     answered = [x for x in lat if x is not None]
     return {
         "idle_wait_s": idle_wait_s,
+        "background_clients": background,
+        "background_requests": generated[0],
         "requests": rows,
         "transferred": sum(r["transferred"] for r in rows),
         "seconds_median": statistics.median(r["seconds"] for r in rows),
@@ -111,15 +131,18 @@ def run(model: Path, root: Path, idle_wait_s: float, requests: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--background", type=int, default=0, help="client threads keeping both servers busy")
+    parser.add_argument("--waits", type=float, nargs="+", default=[0.0, BridgeConfig().idle_wait_s])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = build_tiny_model(root / "model")
-        results = [run(model, root, wait, args.requests) for wait in (0.0, BridgeConfig().idle_wait_s)]
+        results = [run(model, root, wait, args.requests, args.background) for wait in args.waits]
     for r in results:
         print(
-            f"idle_wait_s={r['idle_wait_s']}: {r['transferred']}/{len(r['requests'])} transferred, "
+            f"idle_wait_s={r['idle_wait_s']} background={r['background_clients']}: "
+            f"{r['transferred']}/{len(r['requests'])} transferred, "
             f"seconds median {r['seconds_median']:.2f} max {r['seconds_max']:.2f}; side-channel probe "
             f"median {r['probe_median_s']} max {r['probe_max_s']} s, unanswered in 10 s: {r['probe_unanswered_10s']}"
         )

@@ -6,9 +6,10 @@ to TCP on each host's own device (no shared memory, CMA or CUDA IPC between host
 so the KV must cross the link: the prefill host's transmitted bytes are checked against the KV size. Then the
 prefill host's link is cut in the middle of a request: the decode side recomputes within a bounded time, the
 prefill side frees the held blocks when the lease expires, and requests succeed again once the link is back.
-With the path to the decode host slowed (tc tbf, 4 Mbit/s) so that a READ takes seconds, the link is then cut
-while a READ is in flight, and last the prefill server is killed while one is: each answered by recompute with
-the aggregated tokens, in bounded time, with no block left held.
+With the path to a decode host slowed (tc tbf, 4 Mbit/s) so that a READ takes seconds, the link is then cut while
+a READ is in flight, a second decode server is killed while its READ is, and last the prefill server is killed
+while one is: the decode side answers by recompute with the aggregated tokens in bounded time, and no block stays
+held on either side.
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
 
 def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
     model = build_tiny_model(tmp_path / "model")
-    with network_hosts("prefill", "decode") as hosts:
-        ph, dh = hosts["prefill"], hosts["decode"]
+    with network_hosts("prefill", "decode", "doomed") as hosts:
+        ph, dh, xh = hosts["prefill"], hosts["decode"], hosts["doomed"]
         prefill = server(model, ph, "kv_producer", 2, "0|0", tmp_path / "prefill.log")
         decode = server(model, dh, "kv_consumer", 1, "1", tmp_path / "decode.log")
-        with running((prefill, decode)):
+        doomed = server(model, xh, "kv_consumer", 1, "1", tmp_path / "doomed.log")  # a decode killed mid-READ
+        with running((prefill, decode, doomed)):
             rng = random.Random(11)
             kv_bytes_per_block = 4 * 4 * 128 * 64 * 4  # layers x KV heads x block tokens x (K+V) dims x fp32
             for n in (200, 300, 380):
@@ -156,6 +158,28 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
             ]
             tokens = complete(decode.url, prompt, 8, kv_transfer_params=params)["choices"][0]["token_ids"]
             assert tokens == complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+
+            # A decode server killed (SIGKILL) while its READ is in flight: the prefill frees the blocks once the
+            # claim's pin ends, and the other decode server is unaffected.
+            prompt = [rng.randrange(1, 1000) for _ in range(300)]
+            params = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})[
+                "kv_transfer_params"
+            ]
+            answer, in_flight = mid_read(doomed, ph, xh, prompt, params, doomed.kill, lambda: None)
+            print(f"decode killed mid-READ after {in_flight} bytes")
+            assert 200_000 <= in_flight < kv_bytes_per_block * 3, f"the kill came at {in_flight} bytes, not mid-READ"
+            assert "error" in answer, answer  # its client saw the server die
+            t0 = time.monotonic()
+            while prefill.kv_usage() != baseline and time.monotonic() - t0 < 10 + 5 + LEASE_S + 15:
+                time.sleep(0.5)
+            print(f"decode killed mid-READ: the prefill freed its blocks {time.monotonic() - t0:.1f} s later")
+            assert prefill.kv_usage() == baseline, "the prefill host leaked a killed reader's blocks"
+            healthy = [rng.randrange(1, 1000) for _ in range(200)]
+            params = complete(prefill.url, healthy, 1, kv_transfer_params={"do_remote_decode": True})[
+                "kv_transfer_params"
+            ]
+            tokens = complete(decode.url, healthy, 8, kv_transfer_params=params)["choices"][0]["token_ids"]
+            assert tokens == complete(prefill.url, healthy, 8)["choices"][0]["token_ids"]
 
             # Last: the prefill server killed (SIGKILL) while a READ from it is in flight.
             prompt = [rng.randrange(1, 1000) for _ in range(300)]
