@@ -260,11 +260,16 @@ def test_headers_are_bounded():
                 except (BrokenPipeError, ConnectionResetError):
                     break
             sock.settimeout(10)
-            answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
-            # refused by the connection and closed at once, not answered by the app and kept alive
-            assert answer.startswith(b"HTTP/1.1 400") and b"connection: close" in answer.lower(), (pieces, answer[:100])
+            answer, reset = b"", False
+            try:
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            except ConnectionResetError:  # closed with our later pieces unread: the kernel resets, maybe before
+                reset = True  # the 400 is read
+            # refused by the connection and closed at once, not answered by the app and kept alive (the app's
+            # answer to this body-less request would be a JSON 400 on a kept-alive connection)
+            refused = answer.startswith(b"HTTP/1.1 400") and b"connection: close" in answer.lower()
+            assert refused or (reset and not answer), (pieces, answer[:100])
             assert time.monotonic() - t0 < 2.5, pieces
             sock.close()
         assert p.requests[1:] == []
