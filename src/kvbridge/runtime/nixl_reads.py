@@ -310,11 +310,10 @@ PREPARED_LISTS_ENV = "KVBRIDGE_NIXL_PREPARED_LISTS"
 
 
 def prepared_lists(config: BridgeConfig) -> bool:
-    """Whether the decode worker's READs use prepared descriptor lists: `config.nixl_prepared_lists` where the
-    config has that field, else the environment's KVBRIDGE_NIXL_PREPARED_LISTS ("1": on); off by default."""
-    value = getattr(config, "nixl_prepared_lists", None)
-    if value is not None:
-        return bool(value)
+    """Whether the decode worker's READs use prepared descriptor lists: `config.nixl_prepared_lists` when set,
+    else the environment's KVBRIDGE_NIXL_PREPARED_LISTS ("1": on); off by default."""
+    if config.nixl_prepared_lists is not None:
+        return config.nixl_prepared_lists
     return os.environ.get(PREPARED_LISTS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
