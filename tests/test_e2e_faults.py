@@ -147,11 +147,13 @@ def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
         with pytest.raises(OSError):
             complete(decode.url, p, 8, kv_transfer_params=params, timeout=0.5)
         t0 = time.monotonic()
-        assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S / 2), "blocks held until the lease"
+        assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S), "blocks held until the lease"
         freed_after = time.monotonic() - t0
         busy.result()
-    assert freed_after < LEASE_S / 2
+    # Freed by the decode side's abort, not by the lease: no lease expired (the oracle; a timing bound alone
+    # flaked on a loaded 2-core CI machine, 2.3 s for the abort to travel), and sooner than a lease lasts.
     assert metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total") == expired
+    assert freed_after < LEASE_S
 
 
 def test_transfer_metrics_reach_prometheus(pair):

@@ -173,3 +173,39 @@ def test_an_idle_step_waits_for_an_outstanding_load_and_no_longer(workers):
         waited.append(time.monotonic() - t0)
     assert done == {"decode-idle"}, waited
     assert len(waited) == 1 and waited[0] < 1.0, waited  # woken by the report, not by the 2 s bound
+
+
+def test_an_idle_prefill_step_waits_for_its_held_requests_and_no_longer(workers):
+    """finished(wait_s) (the prefill engine's idle steps: vLLM steps it continuously while it holds a request's
+    blocks, for up to lease_s): with nothing held it returns at once; with a request held it waits, and the
+    reader's notification ends the wait at once. Negative control: finished() without a wait returns at once while
+    the request is still held, which is what kept the prefill worker spinning on its core."""
+    prefill, decode, config, _ = workers
+    t0 = time.monotonic()
+    assert prefill.finished(0.5) == (set(), 0)
+    assert time.monotonic() - t0 < 0.05  # nothing held: no wait
+    prefill.hold("held", (1, 2), token="token-held", prompt_hash="h")
+    t0 = time.monotonic()
+    assert prefill.finished() == (set(), 0)  # the negative control: no wait
+    assert time.monotonic() - t0 < 0.05
+    t0 = time.monotonic()
+    assert prefill.finished(0.2) == (set(), 0)  # held, nothing happens: waits its bound
+    assert 0.15 < time.monotonic() - t0 < 1.0
+    decode.load(LoadJob("decode-held", source("healthy", config.side_channel_port, "held"), (3, 4), (1, 2)))
+    freed, waited = set(), []
+    while not freed and len(waited) < 20:
+        t0 = time.monotonic()
+        freed = prefill.finished(2.0)[0]
+        waited.append(time.monotonic() - t0)
+        decode.results()
+    assert freed == {"held"}, waited
+    assert max(waited) < 1.0, waited  # woken by the notification, not by the 2 s bound
+
+
+def test_a_slow_loads_log_says_where_its_time_went():
+    from kvbridge.runtime.load import Load
+
+    load = Load(LoadJob("r", None, (), ()), queued=10.0, deadline=40.0)
+    assert load.phases(25.0) == "handshake 15.00 s (not done)"
+    load.connected, load.claimed, load.posted = 10.5, 10.6, 10.6
+    assert load.phases(12.0) == "handshake 0.50 s, claim 0.10 s, queue 0.00 s, read 1.40 s"

@@ -99,9 +99,11 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     environment variable decides ("1": on), for benches and tests."""
 
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
-    """Decode side: on a step with nothing scheduled and loads outstanding, wait up to this long for one to finish
-    (a finished load ends the wait at once). vLLM steps continuously while loads are pending; that busy loop left
-    other processes' threads (a prefill worker's side channel on a shared core) 15 s on the run queue. 0: off."""
+    """On a step with nothing scheduled, wait up to this long for the connector's next event rather than return at
+    once: a decode worker with loads outstanding for one to finish, a prefill worker holding requests for a
+    notification, abort or expiry (the event ends the wait at once). vLLM steps continuously while loads are
+    pending or blocks are held; that busy loop left other processes' threads (a prefill worker's side channel on
+    a shared core) 15 s on the run queue. A request arriving meanwhile waits at most this long. 0: off."""
 
     def check_role(self, producer: bool, consumer: bool) -> None:
         """Refuse settings that contradict each other for this role (ConfigError naming both keys)."""

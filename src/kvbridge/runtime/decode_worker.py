@@ -66,6 +66,9 @@ CLAIM_WINDOW_S = 2.0
 """How long a claim refused as `not_held` is retried: the prefill side learns of a hold one engine step after the
 client got its kv_transfer_params."""
 
+SLOW_LOAD_S = 2.0
+"""A load that takes longer is logged with where its time went (handshake, claim, queue, read)."""
+
 
 @dataclass
 class TransferStats:
@@ -254,6 +257,7 @@ class DecodeWorker:
         try:
             engine = connected.result()
             load.engine = engine
+            load.connected = time.monotonic()
             if time.monotonic() > load.deadline:
                 raise TransferTimeout(f"not started after {self.config.transfer_timeout_s:g} s")
             # Counted on its engine from here to its report: an engine retired meanwhile (evicted, restarted) is
@@ -271,6 +275,7 @@ class DecodeWorker:
                         raise TransferError(f"prefill engine {engine.key[0]} restarted twice during one claim")
                     self._claim_step(load, self.peers.connect(load.job.source), retried=True)
                     return
+            load.claimed = time.monotonic()
         except Exception as exc:
             if not isinstance(exc, KVBridgeError):
                 logger.exception("kvbridge decode %s: claim step failed", self.identity)
@@ -367,7 +372,16 @@ class DecodeWorker:
     # -- reporting --------------------------------------------------------------------------------
 
     def _complete(self, load: Load, gpu_s: float | None = None) -> None:
-        elapsed = time.monotonic() - load.queued
+        now = time.monotonic()
+        elapsed = now - load.queued
+        if elapsed > SLOW_LOAD_S:
+            logger.warning(
+                "kvbridge decode %s: load of %s took %.1f s (%s)",
+                self.identity,
+                load.job.request_id,
+                elapsed,
+                load.phases(now),
+            )
         with self._lock:
             self._stats.transfers += 1
             self._stats.bytes += load.nbytes
@@ -385,7 +399,13 @@ class DecodeWorker:
         self._tell(self._notify_message(job), job, tuple(load.engine.layout.workers()))
 
     def _fail(self, load: Load, error: str) -> None:
-        logger.warning("kvbridge decode %s: load of %s failed: %s", self.identity, load.job.request_id, error)
+        logger.warning(
+            "kvbridge decode %s: load of %s failed: %s (%s)",
+            self.identity,
+            load.job.request_id,
+            error,
+            load.phases(time.monotonic()),
+        )
         with self._lock:
             self._stats.failures += 1
         self._report(load, False)

@@ -43,7 +43,21 @@ class Load:
     read_ranks: tuple[WorkerRank, ...] = ()
     nbytes: int = 0
     descriptors: int = 0
+    connected: float = 0.0  # its engine's handshake done (monotonic)
+    claimed: float = 0.0  # its claim acknowledged by every worker read
     posted: float = 0.0
+
+    def phases(self, now: float) -> str:
+        """Where its time went, for the log of a slow or failed load: "handshake 0.01 s, claim 0.00 s, read 1.2 s"."""
+        marks = [("handshake", self.connected), ("claim", self.claimed), ("queue", self.posted), ("read", now)]
+        out, last = [], self.queued
+        for name, t in marks:
+            if not t:
+                return ", ".join([*out, f"{name} {now - last:.2f} s (not done)"])
+            out.append(f"{name} {t - last:.2f} s")
+            last = t
+        return ", ".join(out)
+
     # CUDA IPC path: the kernels' events (the GPU time is start_event.elapsed_time(event))
     event: Any = None
     start_event: Any = None

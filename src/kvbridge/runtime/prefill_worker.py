@@ -63,6 +63,7 @@ class PrefillWorker:
         self.epoch = secrets.token_hex(8)
         self._leases = LeaseBook(config.lease_s)  # under _lock
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when a lease may have ended (under _lock)
         self._finished: set[str] = set()
         self._expired_new = 0
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
@@ -134,11 +135,13 @@ class PrefillWorker:
                 # Readers that copied through CUDA IPC made no NIXL transfer to carry their notification.
                 with self._lock:
                     taken = self._take_note(message, now)
+                    self._changed.notify_all()
                 self._wake.set()
                 return wire.Ack(request_id=message.request_id, epoch=self.epoch) if taken else _REFUSED
             case wire.Abort():
                 with self._lock:
                     taken = self._leases.abort(message.request_id, message.token)
+                    self._changed.notify_all()
                 self._wake.set()
                 return wire.Ack(request_id=message.request_id, epoch=self.epoch) if taken else _REFUSED
             case _:
@@ -147,9 +150,26 @@ class PrefillWorker:
     def _take_note(self, msg: wire.Notify, now: float) -> bool:
         return self._leases.notified(msg.request_id, msg.token, msg.engine_id, str(msg.worker), msg.expected, now)
 
-    def finished(self) -> tuple[set[str], int]:
+    def finished(self, wait_s: float = 0.0) -> tuple[set[str], int]:
         """(ids whose blocks may be freed now, leases expired since the last call). Makes progress too, unless
-        the background thread is doing so right now."""
+        the background thread is doing so right now.
+
+        `wait_s` (an idle step): with requests held and none finished, wait up to `wait_s` for a notification,
+        an abort or an expiry first. vLLM steps the prefill engine continuously for as long as it holds a
+        finished request's blocks (up to lease_s): without the wait its worker burns a core for every held
+        lease, and on a shared core it starves a decode worker (issue "Liveness")."""
+        self._progress_once()
+        if wait_s > 0:
+            with self._lock:
+                if self._leases.held and not self._finished:
+                    self._changed.wait(wait_s)
+            self._progress_once()
+        with self._lock:
+            out, self._finished = self._finished, set()
+            expired, self._expired_new = self._expired_new, 0
+        return out, expired
+
+    def _progress_once(self) -> None:
         if self._progress_lock.acquire(blocking=False):
             try:
                 self._progress()
@@ -157,10 +177,6 @@ class PrefillWorker:
                 logger.exception("kvbridge prefill %s: progress error", self.identity)
             finally:
                 self._progress_lock.release()
-        with self._lock:
-            out, self._finished = self._finished, set()
-            expired, self._expired_new = self._expired_new, 0
-        return out, expired
 
     def close(self) -> None:
         self._stop.set()
@@ -215,6 +231,8 @@ class PrefillWorker:
             done, expired = self._leases.due(now)
             self._finished |= done | expired
             self._expired_new += len(expired)
+            if decoded or done or expired:
+                self._changed.notify_all()
         if expired:
             logger.warning("kvbridge prefill %s: lease expired for %s", self.identity, sorted(expired))
         return active or bool(done or expired)

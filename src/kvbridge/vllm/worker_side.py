@@ -120,15 +120,17 @@ class WorkerSide:
     def transfer_results(self, wait: bool = False) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets.
 
-        `wait` (an idle step: nothing scheduled): with loads outstanding and none finished, wait up to
-        `idle_wait_s` for one, rather than return at once. vLLM steps continuously while a load is pending; with
-        the engine, its workers and their spinning waits ping-ponging through every core, other processes'
-        threads (a prefill worker's side channel sharing a core) waited 15 s on the run queue (issue "Liveness")."""
+        `wait` (an idle step: nothing scheduled): with loads outstanding and none finished (decode), or requests
+        held and none freed (prefill), wait up to `idle_wait_s` for one, rather than return at once. vLLM steps
+        continuously while a load is pending or blocks are held; with the engine, its workers and their spinning
+        waits ping-ponging through every core, other processes' threads (a prefill worker's side channel sharing
+        a core) waited 15 s on the run queue (issue "Liveness")."""
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
         if self.prefill is not None:
-            sending, expired = self.prefill.finished()
+            # kv_both: the decode side's wait (below) covers the step
+            sending, expired = self.prefill.finished(self.config.idle_wait_s if wait and self.decode is None else 0.0)
             self.stats.record_expired(expired)
             counts = self.prefill.lease_counts()
             self.stats.record_leases(counts["aborted"] - self._aborted, counts["refused"] - self._refused)
