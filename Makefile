@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=30
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,13 +1,13 @@
-"""PD requests with a prefill and a decode worker sharing a core, the decode's idle wait off and on (issue
+"""PD requests with a prefill and a decode worker sharing a core, the workers' idle wait off and on (issue
 "Liveness", item 5), one after the other in one run.
 
-Prefill pp=1 on core 0; decode tp=2 on "1|0" (its second worker shares core 0). For each setting of the decode's
-`idle_wait_s` (0 = off, then the default): fresh servers, both warmed, then N 300-token prompts through the PD
-protocol (prefill leg max_tokens=1, then the decode leg, policy recompute so a failed load still answers). Per
-request: seconds, whether every prompt token came through kvbridge (external_kv_transfer), and output equal to the
-prefill server's own. Meanwhile a probe thread sends a Claim to the prefill worker's side channel every 0.3 s and
-records each answer's latency (what a decode worker's claim waits). With --background N, N more client threads
-keep both servers generating (plain 64-token requests) throughout: claims with both engines under full load.
+Prefill pp=1 on core 0; decode tp=2 on "1|0" (its second worker shares core 0). For each setting of
+`idle_wait_s` on both sides (0 = off, then the default): fresh servers, both warmed, then N 300-token prompts
+through the PD protocol (prefill leg max_tokens=1, then the decode leg, policy recompute so a failed load still
+answers). Per request: seconds, whether every prompt token came through kvbridge (external_kv_transfer), and output
+equal to the prefill server's own. Meanwhile a probe thread sends a Claim to the prefill worker's side channel every
+0.3 s and records each answer's latency (what a decode worker's claim waits). With --background N, N more client
+threads keep both servers generating (plain 64-token requests) throughout: claims with both engines under full load.
 
     .venv/bin/python bench/shared_cores.py [--requests 8] [--background 0] [--waits 0 0.005] [--out bench/results]
 """
@@ -69,7 +69,7 @@ def run(model: Path, root: Path, idle_wait_s: float, requests: int, background: 
         model,
         port=free_port(),
         cpu_bind="0",
-        kv_transfer_config=kvbridge_config("kv_producer", side_channel_port=port),
+        kv_transfer_config=kvbridge_config("kv_producer", side_channel_port=port, idle_wait_s=idle_wait_s),
         name="prefill",
         log_path=root / f"prefill-{idle_wait_s}.log",
     )

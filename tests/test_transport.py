@@ -405,3 +405,17 @@ def test_worker_memory_is_what_the_transport_registers():
     w = make_decode(scn, WorkerRank(0, 1))
     assert isinstance(w.memory, WorkerMemory) and len(w.memory.regions) == 1
     assert w.memory.regions[0].addr == w.buf.data_ptr()
+
+
+def test_auto_transports_for_host_memory_add_cuda_copy_on_a_gpu_host(monkeypatch):
+    """NIXL built for CUDA refuses a UCX_TLS without a CUDA transport on a host with GPUs, even for KV in host
+    memory (seen on the device machine): `auto` adds cuda_copy there, and only there."""
+    from kvbridge.core.config import BridgeConfig
+    from kvbridge.runtime import prefill_worker
+
+    monkeypatch.setattr(prefill_worker, "has_nvidia_gpu", lambda: False)
+    assert prefill_worker.transport_config(BridgeConfig(), "DRAM").ucx_tls == "self,sm,cma,tcp"
+    monkeypatch.setattr(prefill_worker, "has_nvidia_gpu", lambda: True)
+    assert prefill_worker.transport_config(BridgeConfig(), "DRAM").ucx_tls == "self,sm,cma,tcp,cuda_copy"
+    assert prefill_worker.transport_config(BridgeConfig(), "VRAM").ucx_tls is None  # UCX's own choice
+    assert prefill_worker.transport_config(BridgeConfig(ucx_tls="tcp"), "DRAM").ucx_tls == "tcp"  # as told

@@ -47,7 +47,8 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 25.0
     """A load not complete this long after it was queued fails (and follows kv_load_failure_policy). It is also
     how long the claim pins the request on the prefill side (plus a margin). On a kv_both instance lease_s must
-    exceed it by that margin."""
+    exceed it by that margin. The decode side adds the load's bytes in flight at a floor rate (0.1 GB/s, at most
+    300 s more; `runtime.nixl_reads.ReadBudget`), so that a slow transport gives slow loads, not failed ones."""
 
     verify_requests: bool = True
     """Before reading, ask each prefill worker whether it still holds the request with these blocks (one

@@ -43,7 +43,7 @@ from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.runtime.load import Load, LoadJob
-from kvbridge.runtime.nixl_reads import NixlReads
+from kvbridge.runtime.nixl_reads import NixlReads, ReadBudget, block_bytes
 from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key
 from kvbridge.transport.nixl import Backoff, MemType
 from kvbridge.wire import messages as wire
@@ -120,6 +120,7 @@ class DecodeWorker:
         self.nixl = NixlReads(
             identity, memory, config, mem_type, self.peers, loaded=self._complete, failed=self._fail, tell=self._tell
         )
+        self.budget = ReadBudget(config, block_bytes(memory))  # deadlines that grow with the bytes in flight
         self.ipc: IpcReads | None = None  # when this worker may read through CUDA IPC (from start())
         self._ready: queue.Queue[Load | None] = queue.Queue()  # claimed: to post or launch
         self._notes: queue.Queue[tuple[wire.Message, LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
@@ -153,7 +154,7 @@ class DecodeWorker:
     def load(self, job: LoadJob) -> None:
         """Queue a job (the engine's step thread); it never blocks."""
         now = time.monotonic()
-        load = Load(job, now, now + self.config.transfer_timeout_s)
+        load = Load(job, now, now + self.budget.begin(job))
         if job.report:
             with self._lock:
                 self._outstanding += 1
@@ -421,6 +422,7 @@ class DecodeWorker:
         self._report(load, False)
 
     def _report(self, load: Load, ok: bool) -> None:
+        self.budget.end(load.job)
         if load.begun:
             self.peers.end(load.engine)
         with self._lock:

@@ -42,3 +42,14 @@ def interface_of(address: str) -> str | None:
         if any(a.address.split("%", 1)[0] == str(ip) for a in addrs):
             return name
     return None
+
+
+@cache
+def has_nvidia_gpu() -> bool:
+    """Whether the NVIDIA driver shows a GPU here. NIXL built for CUDA then refuses a UCX_TLS without a CUDA
+    transport, even for KV in host memory ("NVIDIA GPU(s) are present, but this setting does not enable CUDA
+    memory support"; nixl-cu13 1.5.1 on the device machine, bench/GPU_RESULTS.md, Session 7)."""
+    try:
+        return bool(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return os.path.exists("/dev/nvidiactl")

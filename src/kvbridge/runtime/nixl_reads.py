@@ -34,6 +34,7 @@ from kvbridge.core.descriptors import (
 )
 from kvbridge.core.errors import IncompatiblePeerError, KVBridgeError, TransferError
 from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.leases import MAX_READ_S
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.segments import Segments, worker_segments
 from kvbridge.core.topology import WorkerRank
@@ -44,6 +45,73 @@ from kvbridge.transport.nixl import MemType, NixlTransport, PreparedLists
 from kvbridge.wire import messages as wire
 
 logger = logging.getLogger(__name__)
+
+FLOOR_BYTES_PER_S = 0.1e9
+"""The slowest rate a load's bytes are assumed to move at when its deadline is set: below the 0.2-0.5 GB/s that
+UCX's software emulation of GPU memory reaches on one GPU (bench/GPU_RESULTS.md, session 6), so that a slow
+transport gives slow loads, not failed ones."""
+
+MAX_EXTRA_S = 300.0
+"""The most a load's bytes add to `transfer_timeout_s` (a stuck load still fails in bounded time)."""
+
+SLOW_GPU_BYTES_PER_S = 2e9
+"""A READ of GPU memory below this rate is not a GPU transport: UCX is emulating it (logged once per engine)."""
+
+SLOW_CHECK_MIN_BYTES = 32 << 20
+"""Loads smaller than this are too short to judge a transport's rate by."""
+
+
+def block_bytes(memory: WorkerMemory) -> int:
+    """Bytes one block carries into this worker (every layer, plane and head it holds)."""
+    return sum(layer.page_bytes for layer in memory.layers)
+
+
+class ReadBudget:
+    """How long a load may take: `transfer_timeout_s` plus the bytes in flight at this worker when it is queued
+    (its own and those of the loads queued before it and not yet reported, which share the link) at
+    `floor_bytes_per_s`, the extra capped at `max_extra_s` and the whole at the prefill side's longest pin
+    (`core.leases.MAX_READ_S`). The claim's `read_timeout_s` is what is left of it, so the prefill side pins the
+    request as long. Thread-safe; `end` for every job `begin` counted (unknown jobs are ignored)."""
+
+    def __init__(
+        self,
+        config: BridgeConfig,
+        bytes_per_block: int,
+        floor_bytes_per_s: float = FLOOR_BYTES_PER_S,
+        max_extra_s: float = MAX_EXTRA_S,
+    ) -> None:
+        self.config = config
+        self.bytes_per_block = bytes_per_block
+        self.floor_bytes_per_s = floor_bytes_per_s
+        self.max_extra_s = max_extra_s
+        self._lock = threading.Lock()
+        self._bytes: dict[int, int] = {}  # id(job) -> bytes, for jobs queued and not yet reported
+        self._total = 0
+
+    def seconds(self, nbytes: int) -> float:
+        """The budget of a load when `nbytes` are in flight, its own included."""
+        extra = min(nbytes / self.floor_bytes_per_s, self.max_extra_s) if self.floor_bytes_per_s > 0 else 0.0
+        return min(self.config.transfer_timeout_s + extra, MAX_READ_S)
+
+    def begin(self, job: LoadJob) -> float:
+        """Count a job that will be read (and reported); returns its budget in seconds."""
+        if not (job.report and job.source is not None and not job.refused and job.local_blocks):
+            return self.config.transfer_timeout_s
+        nbytes = len(job.local_blocks) * self.bytes_per_block
+        with self._lock:
+            self._total += nbytes
+            self._bytes[id(job)] = nbytes
+            in_flight = self._total
+        return self.seconds(in_flight)
+
+    def end(self, job: LoadJob) -> None:
+        with self._lock:
+            self._total -= self._bytes.pop(id(job), 0)
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._total
 
 
 class NixlReads:
@@ -80,6 +148,7 @@ class NixlReads:
         # With prepared lists: per prefill agent, its segments and its prepared lists (None: NIXL refused them).
         self._segments: dict[str, Segments] = {}
         self._prepared: dict[str, PreparedLists | None] = {}
+        self._judged: set[str] = set()  # engine ids whose transport has been judged (one log line each)
 
     def start(self) -> None:
         self.transport.start()
@@ -151,6 +220,7 @@ class NixlReads:
                     self._drain_and_fail(load, str(exc), broken=engine)
                     return
             load.posted = time.monotonic()
+            self._judge_at_handshake(engine)
             others = tuple(r for r in engine.layout.workers() if r not in descs)
             if others:
                 self.tell(note, job, others)
@@ -180,12 +250,18 @@ class NixlReads:
                 self._drain_and_fail(load, str(exc), broken=load.engine)
                 continue
             if done:
+                self._judge_rate(load)
                 if self._release_all(load):
                     self.loaded(load)
                 else:  # done, but NIXL kept the handle: report once it lets go
                     self._draining.append(load)
             elif time.monotonic() > load.deadline:
-                self._drain_and_fail(load, f"not done after {self.config.transfer_timeout_s:g} s")
+                self._drain_and_fail(
+                    load,
+                    f"not done after {load.deadline - load.queued:.3g} s (transfer_timeout_s "
+                    f"{self.config.transfer_timeout_s:g} s plus the bytes in flight at {FLOOR_BYTES_PER_S / 1e9:g} GB/s"
+                    f"; {load.nbytes / 1e6:.0f} MB in this load)",
+                )
             else:
                 still.append(load)
         self._active = still
@@ -206,6 +282,54 @@ class NixlReads:
                 logger.debug("kvbridge decode %s: %s (retrying)", self.identity, exc)
                 ok = False
         return ok
+
+    # -- telling a transport UCX can only emulate ---------------------------------------------------
+
+    def _judge_at_handshake(self, engine: Engine) -> None:
+        """On an engine's first READs (right after its handshake): GPU memory with no CUDA transport in UCX_TLS
+        can only be emulated by UCX (staged through host memory over tcp); say so once."""
+        engine_id = engine.key[0]
+        if self.mem_type != "VRAM" or engine_id in self._judged:
+            return
+        reason = emulation_reason(self.mem_type, self.transport.ucx_env.get("UCX_TLS"))
+        if reason:
+            self._judged.add(engine_id)
+            logger.warning(
+                "kvbridge decode %s: NIXL from prefill engine %s: %s; loads will be slow (their deadlines allow %g "
+                "GB/s), not failed",
+                self.identity,
+                engine_id,
+                reason,
+                FLOOR_BYTES_PER_S / 1e9,
+            )
+
+    def _judge_rate(self, load: Load) -> None:
+        """On an engine's first READs of GPU memory large enough to tell: a rate no GPU transport has means UCX is
+        emulating the path in software (two processes on one GPU get no cuda_ipc lane); say so once."""
+        engine = load.engine
+        if self.mem_type != "VRAM" or engine is None or engine.key[0] in self._judged or not load.posted:
+            return
+        if load.nbytes < SLOW_CHECK_MIN_BYTES:
+            return
+        self._judged.add(engine.key[0])
+        seconds = max(time.monotonic() - load.posted, 1e-9)
+        rate = load.nbytes / seconds
+        if rate >= SLOW_GPU_BYTES_PER_S:
+            return
+        same_host = all(p.same_host for p in engine.peers.values())
+        logger.warning(
+            "kvbridge decode %s: NIXL READs of GPU memory from prefill engine %s run at %.2f GB/s (%.0f MB in %.2f s)"
+            ": UCX is emulating the GPU path in software (%s; UCX_PROTO_INFO=y shows 'software emulation'); loads "
+            "stay correct but slow (deadlines allow %g GB/s)%s",
+            self.identity,
+            engine.key[0],
+            rate / 1e9,
+            load.nbytes / 1e6,
+            seconds,
+            "on one host: two processes on one GPU get no cuda_ipc lane" if same_host else "no GPU-capable lane",
+            FLOOR_BYTES_PER_S / 1e9,
+            "; the CUDA IPC path (gpu_peer_copy='auto', the default) avoids NIXL on one host" if same_host else "",
+        )
 
     def _drain_and_fail(self, load: Load, error: str, broken: Engine | None = None) -> None:
         """Fail `load` once nothing of it can still write: READs are released first (retried if NIXL refuses)."""
@@ -315,6 +439,20 @@ def prepared_lists(config: BridgeConfig) -> bool:
     if config.nixl_prepared_lists is not None:
         return config.nixl_prepared_lists
     return os.environ.get(PREPARED_LISTS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def emulation_reason(mem_type: MemType, ucx_tls: str | None) -> str:
+    """Why UCX can only emulate READs of `mem_type` with transports `ucx_tls` (the UCX_TLS in effect; None or
+    empty: UCX's own choice), or "" when nothing says so before a READ has run."""
+    if mem_type != "VRAM" or not ucx_tls:
+        return ""
+    if ucx_tls.startswith("^"):  # "all but these": UCX may still have a GPU lane
+        return ""
+    names = [t.strip().lower() for t in ucx_tls.split(",") if t.strip()]
+    gpu = ("all", "gdr_copy", "rc", "rc_x", "rc_v", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ib")
+    if not any(t.startswith("cuda") or t in gpu for t in names):
+        return f"UCX_TLS={ucx_tls} names no GPU transport: UCX can only emulate GPU memory (staged over tcp)"
+    return ""
 
 
 def _peer_broken(error: str) -> bool:

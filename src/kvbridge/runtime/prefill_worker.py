@@ -24,7 +24,7 @@ from kvbridge.core.errors import ConfigError, ProtocolError, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import LeaseBook
 from kvbridge.core.memory import WorkerMemory
-from kvbridge.runtime.host import host_id, interface_of
+from kvbridge.runtime.host import has_nvidia_gpu, host_id, interface_of
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportConfig
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
@@ -268,7 +268,9 @@ def transport_config(config: BridgeConfig, mem_type: MemType) -> TransportConfig
     every interface unless told to (`ucx_net_devices: "all"`)."""
     tls = config.ucx_tls
     if tls == "auto":
-        tls = "self,sm,cma,tcp" if mem_type == "DRAM" else None
+        # host memory: shared memory, CMA and tcp (what detects a dead peer); cuda_copy too on a GPU host, where
+        # NIXL refuses a UCX_TLS without a CUDA transport
+        tls = ("self,sm,cma,tcp,cuda_copy" if has_nvidia_gpu() else "self,sm,cma,tcp") if mem_type == "DRAM" else None
     devices = config.ucx_net_devices
     if devices is None:
         devices = interface_of(config.side_channel_host)
