@@ -187,9 +187,14 @@ def test_what_kvbridge_cannot_move_is_refused_naming_it():
 
     full = FullAttentionSpec(block_size=128, num_kv_heads=4, head_size=32, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=128, num_kv_heads=4, head_size=32, dtype=torch.float32, sliding_window=64)
-    with pytest.raises(ConfigError, match=r"2 KV-cache groups \(FullAttentionSpec \(1 layers\), SlidingWindowSpec"):
-        geometry(vllm_config(1, 4, 32), "float32", 128, kv_cache_config(full, window))
+    # full-attention + sliding-window groups of one page format are moved (HMA); other hybrids are refused
+    assert geometry(vllm_config(1, 4, 32), "float32", 128, kv_cache_config(full, window)).num_kv_heads == 4
+    narrow = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    with pytest.raises(ConfigError, match=r"KV-cache groups \(FullAttentionSpec \(1 layers\), SlidingWindowSpec.*page"):
+        geometry(vllm_config(1, 4, 32), "float32", 128, kv_cache_config(full, narrow))
     mamba = MambaSpec(block_size=1024, shapes=((3, 64),), dtypes=(torch.float32,))
+    with pytest.raises(ConfigError, match="MambaSpec is unsupported with several groups"):
+        geometry(vllm_config(1, 4, 32), "float32", 128, kv_cache_config(full, mamba))
     with pytest.raises(ConfigError, match="KV-cache spec MambaSpec is unsupported"):
         geometry(vllm_config(1, 4, 32), "float32", 1024, kv_cache_config(mamba))
     with pytest.raises(ConfigError, match="block_size is 128 but the KV tensors' is 16"):

@@ -64,8 +64,13 @@ class LayerKV:
     token_stride: int
     plane_stride: int = 0
     num_planes: int = 1
+    group: int = 0
+    """The layer's KV-cache group (vLLM's hybrid KV-cache manager): its blocks are named by that group's block
+    ids. Layers of different groups may alias the same bytes (`core.groups`)."""
 
     def __post_init__(self) -> None:
+        if self.group < 0:
+            raise LayoutError(f"layer {self.layer}: group must be non-negative, got {self.group}")
         if self.num_planes not in (1, 2):
             raise LayoutError(f"layer {self.layer}: num_planes must be 1 or 2, got {self.num_planes}")
         for name in ("num_blocks", "num_heads", "block_size", "row_bytes"):
@@ -95,8 +100,13 @@ class WorkerMemory:
 
     regions: tuple[Region, ...]
     layers: tuple[LayerKV, ...]
+    num_groups: int = 1
+    """The engine's KV-cache groups (several with vLLM's hybrid KV-cache manager): a load's block ids are then
+    group-tagged (`core.groups`). Local only: a peer's layers name their groups."""
 
     def __post_init__(self) -> None:
+        if self.num_groups < 1:
+            raise LayoutError(f"num_groups must be positive, got {self.num_groups}")
         seen: set[int] = set()
         for lk in self.layers:
             if lk.layer in seen:

@@ -110,8 +110,10 @@ def worker_segments(
     decode_worker: WorkerRank,
     dst: WorkerMemory,
     sources: dict[WorkerRank, WorkerMemory],
+    group: int | None = None,
 ) -> dict[WorkerRank, Segments]:
-    """Every segment one decode worker copies, grouped by the prefill worker it reads (plan order)."""
+    """Every segment one decode worker copies, grouped by the prefill worker it reads (plan order); with `group`,
+    only those of the layers of that KV-cache group (IncompatiblePeerError if the peer's layer is in another)."""
     heads = plan.geometry.num_kv_heads
     dst_first = plan.decode.kv_heads(heads, decode_worker.tp).start
     grouped: dict[WorkerRank, list[Segments]] = {}
@@ -119,10 +121,17 @@ def worker_segments(
         pw = read.prefill_worker
         src_first = plan.prefill.kv_heads(heads, pw.tp).start
         head = read.kv_heads[0]
-        grouped.setdefault(pw, []).extend(
+        layers = read.layers
+        if group is not None:
+            layers = tuple(n for n in layers if dst.layer(n).group == group)
+            for n in layers:
+                if sources[pw].layer(n).group != group:
+                    raise IncompatiblePeerError(f"layer {n} KV-cache group", group, sources[pw].layer(n).group)
+        parts = grouped.setdefault(pw, [])
+        parts.extend(
             layer_segments(
                 sources[pw].layer(layer), dst.layer(layer), head - src_first, head - dst_first, read.num_heads
             )
-            for layer in read.layers
+            for layer in layers
         )
     return {pw: Segments.concat(parts) for pw, parts in grouped.items()}

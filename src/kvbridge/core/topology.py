@@ -14,6 +14,7 @@ layers as `vllm.distributed.utils.get_pp_indices` (with the VLLM_PP_LAYER_PARTIT
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -63,6 +64,13 @@ class KVGeometry:
     dtype: str = "bfloat16"
     block_size: int = 16
     head_size_v: int | None = None
+    kv_scales: tuple[tuple[int, float, float], ...] = ()
+    """A quantized (FP8) cache's (layer, k_scale, v_scale) for each layer the worker holds, as its attention kernel
+    applies them (bytes quantized with one scale and read with another are other numbers); empty for an unquantized
+    cache. Per worker, not per model: the handshake compares the layers both peers hold."""
+    kernel: str = ""
+    """A quantized cache's attention backend and kernel variant ("CPU_ATTN/vec"), which wrote its bytes; empty for
+    an unquantized cache, whose bytes are plain numbers whatever kernel wrote them."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -74,6 +82,9 @@ class KVGeometry:
         v = self.head_size_v
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise LayoutError(f"head_size_v must be a non-negative integer, got {v!r}")
+        for layer, k_scale, v_scale in self.kv_scales:
+            if not 0 <= layer < self.num_layers or not all(math.isfinite(x) and x > 0 for x in (k_scale, v_scale)):
+                raise LayoutError(f"kv_scales: layer {layer} has k_scale {k_scale!r}, v_scale {v_scale!r}")
 
     @property
     def itemsize(self) -> int:

@@ -12,7 +12,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.vllm.metadata import KVBridgeMetadata
@@ -44,7 +46,9 @@ def _log_like_vllm() -> None:
         root.propagate = False
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.P2P  # loaded tokens came from another vLLM instance (vLLM's per-source hits)
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
@@ -55,7 +59,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvbridge.vllm.scheduler_side import SchedulerSide
 
-            self._scheduler = SchedulerSide(vllm_config, config)
+            self._scheduler = SchedulerSide(vllm_config, config, kv_cache_config)
         else:
             from kvbridge.vllm.worker_side import WorkerSide
 
@@ -77,8 +81,26 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV-cache manager (SupportsHMA): every KV-cache group's blocks of the finished request."""
+        return self._scheduler.request_finished_all_groups(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A load writes the request's own blocks of every group (kvbridge refuses groups vLLM does not transfer)."""
+        kv_cache_config = getattr(self, "_kv_cache_config", None)
+        return tuple(kv_cache_config.transfer_group_ids) if kv_cache_config is not None else (0,)
+
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
-        """Handshakes go over kvbridge's own side channel, per worker; nothing to merge here."""
+        """Handshakes go over kvbridge's own side channel, per worker; nothing to merge here. Idempotent: vLLM 0.33
+        calls it again after a wake-up, and it keeps nothing."""
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (asked by vLLM 0.33, which then refuses to start with sleep mode on): sleep frees and remaps the KV
+        memory that kvbridge's workers registered with NIXL and whose addresses their peers hold."""
+        return False
 
     def get_finished_count(self) -> int | None:
         return None  # every worker of every stage reports each id once

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import ParamsRefused, RequestParamsError
+from kvbridge.core.groups import check_remote_lists, load_pairs, prefill_lists, tag, tagged_lists
 from kvbridge.runtime.decode_worker import LoadJob
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
-from kvbridge.vllm.vllm_facts import advertised_host, engine_layout
+from kvbridge.vllm.vllm_facts import advertised_host, cache_groups, engine_layout
 from kvbridge.wire.auth import load_key
 from kvbridge.wire.params import (
     PrefillDone,
@@ -36,6 +37,7 @@ from kvbridge.wire.params import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -45,9 +47,13 @@ MAX_SEEN = 65536
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: VllmConfig, config: BridgeConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: BridgeConfig, kv_cache_config: KVCacheConfig | None = None):
         kv = vllm_config.kv_transfer_config
         self.config = config
+        self.groups = cache_groups(kv_cache_config) if kv_cache_config is not None else ()
+        """The KV-cache groups, when there are several (vLLM's hybrid KV-cache manager); else () (one group)."""
+        if len(self.groups) == 1:
+            self.groups = ()
         self.engine_id = str(kv.engine_id)
         self.layout, self.dp_rank = engine_layout(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -126,6 +132,14 @@ class SchedulerSide:
         seen = self._seen.get((source.remote_engine_id, source.remote_request_id))
         if seen is not None and seen[0] != request.request_id:
             raise ParamsRefused("replayed", f"kv_transfer_params of {source.remote_request_id} were used already")
+        if self.groups or source.remote_group_block_ids:
+            if not self.groups:
+                raise ParamsRefused("blocks", "remote_group_block_ids: several KV-cache groups, this engine has one")
+            try:
+                check_remote_lists(self.groups, source.group_block_ids, len(request.prompt_token_ids or ()))
+            except RequestParamsError as exc:
+                raise ParamsRefused("blocks", str(exc)) from None
+            return
         needed = -(-len(request.prompt_token_ids or ()) // self.block_size)
         if not needed <= len(source.remote_block_ids) <= needed + 1:
             raise ParamsRefused(
@@ -170,6 +184,9 @@ class SchedulerSide:
             return
         request.kv_transfer_params["do_remote_prefill"] = False  # one load per request
         self._sources.pop(request.request_id, None)
+        if self.groups:
+            self._load_groups(request, source, blocks, num_external_tokens)
+            return
         block_ids = blocks.get_block_ids()[0]
         prompt = len(request.prompt_token_ids or ())
         first = (prompt - num_external_tokens) // self.block_size  # blocks already cached here
@@ -177,6 +194,25 @@ class SchedulerSide:
         local = tuple(block_ids[first:last])
         remote = tuple(source.remote_block_ids[first:last])
         self._meta.loads.append(LoadJob(request.request_id, source, local, remote))
+
+    def _load_groups(self, request: Request, source: PrefillDone, blocks: KVCacheBlocks, num_external: int) -> None:
+        """Several KV-cache groups: each group's blocks the decode's manager holds (not null) from the prompt's
+        first uncached block on, paired with the prefill's at the same position, in one job of group-tagged ids.
+        A block needed here that the prefill no longer holds fails the load (and frees the prefill's blocks)."""
+        local = blocks.get_block_ids()
+        prompt = len(request.prompt_token_ids or ())
+        try:
+            pairs = [
+                load_pairs(group, local[i], remote, prompt, (prompt - num_external) // group.block_size)
+                for i, (group, remote) in enumerate(zip(self.groups, source.group_block_ids, strict=True))
+            ]
+            remote_ids, local_ids = tagged_lists(pairs)
+        except RequestParamsError as exc:
+            logger.warning("kvbridge: request %s: its blocks cannot be loaded: %s", request.request_id, exc)
+            self._meta.loads.append(LoadJob(request.request_id, None, (), (), refused=str(exc)))
+            self._meta.releases.append(LoadJob(request.request_id, source, (), (), report=False))
+            return
+        self._meta.loads.append(LoadJob(request.request_id, source, local_ids, remote_ids))
 
     # -- both roles ----------------------------------------------------------------------------------
 
@@ -190,7 +226,19 @@ class SchedulerSide:
         out, self._stats = self._stats, KVBridgeStats()
         return out
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV-cache manager hands every group's blocks; with one group, `request_finished`."""
+        if not self.groups:
+            return self.request_finished(request, block_ids[0] if block_ids else [])
+        return self.request_finished(request, [b for ids in block_ids for b in ids], all_groups=block_ids)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int], all_groups: tuple[list[int], ...] | None = None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`all_groups`: each KV-cache group's blocks (several groups; `block_ids` is then only tested for being
+        empty); the params then carry per group its prompt blocks without the null blocks."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -210,10 +258,21 @@ class SchedulerSide:
         prompt = request.prompt_token_ids
         if not block_ids or prompt is None or request.num_computed_tokens < len(prompt):
             return False, None  # nothing held, or no token ids to bind the KV to (prompt embeddings)
+        group_lists: list[list[int]] = []
+        held = tuple(block_ids)
+        if all_groups is not None:
+            try:
+                group_lists = prefill_lists(self.groups, all_groups, len(prompt))
+            except RequestParamsError as exc:
+                logger.warning("kvbridge: request %s: its KV is not published: %s", request.request_id, exc)
+                return False, None
+            held = tuple(b for g, ids in enumerate(group_lists) for b in tag(g, ids))  # as decode workers claim
+            block_ids = []
         done = PrefillDone(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
             remote_block_ids=list(block_ids),
+            remote_group_block_ids=group_lists,
             remote_host=self.host,
             remote_port=self.config.side_channel_port,
             remote_dp_rank=self.dp_rank,
@@ -227,5 +286,5 @@ class SchedulerSide:
         )
         if self.key is not None:
             done = done.signed(self.key)
-        self._meta.holds.append((request.request_id, tuple(block_ids), done.remote_token, done.remote_prompt_hash))
+        self._meta.holds.append((request.request_id, held, done.remote_token, done.remote_prompt_hash))
         return True, done.to_dict()

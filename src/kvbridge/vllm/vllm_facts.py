@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,8 @@ from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank, disti
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
 
 
 def engine_layout(vllm_config: VllmConfig) -> tuple[ParallelLayout, int]:
@@ -45,7 +48,8 @@ def cache_spec(kv_cache_config: KVCacheConfig | None):
     """The attention spec of the engine's one KV-cache group, or None without a KV-cache config.
 
     ConfigError, naming what is unsupported, for anything kvbridge cannot move: several KV-cache groups (vLLM's
-    hybrid KV-cache manager), state (Mamba) or cross-attention caches, several specs in one group.
+    hybrid KV-cache manager) other than full-attention and sliding-window groups of one page format, state (Mamba)
+    or cross-attention caches, several specs in one group. With several groups, the first group's spec.
     """
     if kv_cache_config is None:
         return None
@@ -58,8 +62,7 @@ def cache_spec(kv_cache_config: KVCacheConfig | None):
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
-        raise ConfigError(f"kvbridge: {len(groups)} KV-cache groups ({kinds}) are unsupported; it moves one group")
+        _check_hybrid_groups(groups)
     spec = groups[0].kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
         specs = {type(s).__name__ for s in spec.kv_cache_specs.values()}
@@ -67,6 +70,59 @@ def cache_spec(kv_cache_config: KVCacheConfig | None):
     if not isinstance(spec, AttentionSpec) or isinstance(spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
         raise ConfigError(f"kvbridge: KV-cache spec {type(spec).__name__} is unsupported (attention caches only)")
     return spec
+
+
+def _check_hybrid_groups(groups) -> None:
+    """Several KV-cache groups (vLLM's hybrid KV-cache manager): kvbridge moves full-attention and sliding-window
+    groups whose pages have one format (heads, head sizes, dtype, block size), every group transferred; anything
+    else is refused naming the groups."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvbridge.core.groups import MAX_GROUPS
+
+    kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
+    if len(groups) > MAX_GROUPS:
+        raise ConfigError(f"kvbridge: {len(groups)} KV-cache groups ({kinds}): at most {MAX_GROUPS} are supported")
+    odd = [
+        type(g.kv_cache_spec).__name__
+        for g in groups
+        if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec)
+    ]
+    if odd:
+        raise ConfigError(
+            f"kvbridge: KV-cache groups ({kinds}): {odd[0]} is unsupported with several groups "
+            "(full-attention and sliding-window groups only)"
+        )
+    if not all(getattr(g, "enable_kv_transfer", True) for g in groups):
+        raise ConfigError(f"kvbridge: KV-cache groups ({kinds}): a group vLLM does not transfer is unsupported")
+    page = {
+        (s.num_kv_heads, s.head_size, s.head_size_v, str(s.dtype), s.block_size)
+        for s in (g.kv_cache_spec for g in groups)
+    }
+    if len(page) != 1:
+        raise ConfigError(
+            f"kvbridge: KV-cache groups ({kinds}) with different page formats (heads, head sizes, dtype, block size): "
+            f"{sorted(page)}: unsupported"
+        )
+
+
+def cache_groups(kv_cache_config: KVCacheConfig | None) -> tuple:
+    """The engine's KV-cache groups as `core.groups.CacheGroup`s (block size, sliding window), in vLLM's order:
+    one group without a KV-cache config. A sliding window counts only for a `SlidingWindowSpec` group (with the
+    hybrid manager off, vLLM gives every layer full-attention blocks)."""
+    from kvbridge.core.groups import CacheGroup
+
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1:
+        return (CacheGroup(1),) if kv_cache_config is None else (CacheGroup(cache_spec(kv_cache_config).block_size),)
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    cache_spec(kv_cache_config)
+    return tuple(
+        CacheGroup(g.kv_cache_spec.block_size, g.kv_cache_spec.sliding_window)
+        if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+        else CacheGroup(g.kv_cache_spec.block_size)
+        for g in kv_cache_config.kv_cache_groups
+    )
 
 
 FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -85,12 +141,42 @@ def kv_dtype(vllm_config: VllmConfig, tensor_dtype: str) -> str:
     return tensor_dtype
 
 
+def kv_quantization(vllm_config: VllmConfig) -> dict:
+    """For an FP8 cache, what decides how its bytes are read besides their format, as KVGeometry fields:
+    `kv_scales` ((layer, k_scale, v_scale) of this worker's attention layers, the floats its kernel applies:
+    1.0 unless the checkpoint has scales) and `kernel` (backend and variant, e.g. "CPU_ATTN/vec": vLLM's CPU
+    backend picks the variant (ISA) per host, dtype, block and head size). Empty for an unquantized cache."""
+    if str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto") not in FP8_CACHE_DTYPES:
+        return {}
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    layers = {name: layer for name, layer in context.items() if isinstance(layer, AttentionLayerBase)}
+    scales = sorted(
+        (extract_layer_index(name), float(layer._k_scale_float), float(layer._v_scale_float))
+        for name, layer in layers.items()
+        if hasattr(layer, "_k_scale_float")
+    )
+    kernels = set()
+    for layer in layers.values():
+        backend = getattr(layer, "attn_backend", None)
+        name = backend.get_name() if backend is not None else type(layer).__name__
+        isa = getattr(layer, "isa", None)
+        kernels.add(f"{name}/{isa}" if isa else name)
+    found = {"kv_scales": tuple(scales), "kernel": ",".join(sorted(kernels))}
+    distinct = sorted({(k, v) for _, k, v in scales})
+    logger.info("kvbridge: FP8 KV cache: kernel %s, (k_scale, v_scale) %s", found["kernel"] or "?", distinct)
+    return found
+
+
 def geometry(
     vllm_config: VllmConfig, dtype: str, block_size: int, kv_cache_config: KVCacheConfig | None = None
 ) -> KVGeometry:
     """The model's KV geometry, from vLLM's KV-cache spec where there is one (what the cache really holds:
     MLA's one latent head of 576 channels with no V, not the config's KV heads), else from the model config.
-    `dtype` is the KV tensors' dtype; an FP8 cache is named by its format (`kv_dtype`)."""
+    `dtype` is the KV tensors' dtype; an FP8 cache is named by its format (`kv_dtype`), with its scales and
+    kernel (`kv_quantization`)."""
     mc = vllm_config.model_config
     dtype = kv_dtype(vllm_config, dtype)
     spec = cache_spec(kv_cache_config)
@@ -101,6 +187,7 @@ def geometry(
             head_size=mc.get_head_size(),
             dtype=dtype,
             block_size=block_size,
+            **kv_quantization(vllm_config),
         )
     tp = vllm_config.parallel_config.tensor_parallel_size
     try:
@@ -118,6 +205,7 @@ def geometry(
         dtype=dtype,
         block_size=block_size,
         head_size_v=spec.head_size_v,
+        **kv_quantization(vllm_config),
     )
 
 

@@ -6,13 +6,16 @@ Prefill role: a `PrefillWorker` publishes this worker's KV and holds finished re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import ConfigError
 from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.memory import LayerKV, Region, WorkerMemory
 from kvbridge.runtime.decode_worker import DecodeWorker
+from kvbridge.runtime.nixl_reads import prepared_lists
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.transport.torch_memory import memory_from_tensors, physical_order, region_tensors
 from kvbridge.vllm.metadata import KVBridgeMetadata
@@ -54,6 +57,37 @@ def check_block_split(memory_blocks: list[int], config_blocks: int | None, block
         )
 
 
+def grouped_memory(kv_caches: dict, kv_cache_config, layer_index) -> WorkerMemory:
+    """The worker's KV memory, each layer with its KV-cache group from vLLM's KV-cache config.
+
+    One group: `memory_from_tensors` as it always was. Several (vLLM's hybrid KV-cache manager): the groups'
+    tensors alias one pool (layer i of every group shares bytes), so layers are taken group by group from the
+    config's layer names, never de-duplicated by address; ConfigError for a KV tensor of no group."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) <= 1:
+        return memory_from_tensors(kv_caches, layer_index)
+    regions: list[Region] = []
+    layers: list[LayerKV] = []
+    named: set[str] = set()
+    for index, group in enumerate(groups):
+        names = [n for n in group.layer_names if n in kv_caches]
+        named.update(names)
+        if not names:
+            continue
+        part = memory_from_tensors({n: kv_caches[n] for n in names}, layer_index)
+        if len(part.layers) != len(names):
+            raise ConfigError(f"kvbridge: layers of KV-cache group {index} share KV tensors: unsupported")
+        for lk in part.layers:
+            region = part.regions[lk.region]
+            if region not in regions:
+                regions.append(region)
+            layers.append(dataclasses.replace(lk, region=regions.index(region), group=index))
+    stray = sorted(set(kv_caches) - named)
+    if stray:
+        raise ConfigError(f"kvbridge: KV tensors of layers in no KV-cache group: {stray[:3]}")
+    return WorkerMemory(tuple(regions), tuple(sorted(layers, key=lambda lk: lk.layer)), num_groups=len(groups))
+
+
 class WorkerSide:
     def __init__(self, vllm_config: VllmConfig, config: BridgeConfig, kv_cache_config=None) -> None:
         kv = vllm_config.kv_transfer_config
@@ -72,7 +106,12 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        memory = memory_from_tensors(kv_caches, extract_layer_index)
+        memory = grouped_memory(kv_caches, self.kv_cache_config, extract_layer_index)
+        if memory.num_groups > 1 and prepared_lists(self.config):
+            raise ConfigError(
+                "kvbridge: NIXL prepared descriptor lists (nixl_prepared_lists / KVBRIDGE_NIXL_PREPARED_LISTS) are "
+                f"unsupported with {memory.num_groups} KV-cache groups (vLLM's hybrid KV-cache manager)"
+            )
         first = next(iter(kv_caches.values()))
         check_block_split(
             [lk.num_blocks for lk in memory.layers],
@@ -95,16 +134,20 @@ class WorkerSide:
         )
         mem_type = "VRAM" if first.is_cuda else "DRAM"
         logger.info(
-            "kvbridge worker %s: %d layers %s, %s, regions %s",
+            "kvbridge worker %s: %d layers %s, %d blocks, %d KV-cache groups, %s, regions %s",
             identity,
             len(memory.layers),
             memory.layer_ids(),
+            memory.num_blocks,
+            memory.num_groups,
             identity.kv_layout,
             [(hex(r.addr), r.nbytes, r.device_id) for r in memory.regions],
         )
         regions = region_tensors(kv_caches, memory)
         if self.is_producer:
-            ipc = share_regions(regions) if first.is_cuda and self.config.gpu_peer_copy == "auto" else ()
+            # the CUDA IPC gather kernel takes one block list for all layers: several KV-cache groups read via NIXL
+            ipc_ok = first.is_cuda and self.config.gpu_peer_copy == "auto" and memory.num_groups == 1
+            ipc = share_regions(regions) if ipc_ok else ()
             self.prefill = PrefillWorker(identity, memory, self.config, mem_type, ipc=ipc, key=self.key).start()
         if self.is_consumer:
             self.decode = DecodeWorker(identity, memory, self.config, mem_type, regions, key=self.key).start()

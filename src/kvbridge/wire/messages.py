@@ -104,6 +104,10 @@ class Geometry(_Struct, kw_only=True):
     head_size: Positive
     dtype: str = "bfloat16"
     block_size: Positive = 16
+    kv_scales: tuple[tuple[NonNegative, float, float], ...] = ()
+    """A quantized cache's (layer, k_scale, v_scale) per layer the worker holds; empty for an unquantized one."""
+    kernel: str = ""
+    """A quantized cache's attention backend and kernel variant ("CPU_ATTN/vec"); empty for an unquantized one."""
 
     @classmethod
     def from_core(cls, geometry: topology.KVGeometry) -> Geometry:
@@ -113,10 +117,20 @@ class Geometry(_Struct, kw_only=True):
             head_size=geometry.head_size,
             dtype=geometry.dtype,
             block_size=geometry.block_size,
+            kv_scales=geometry.kv_scales,
+            kernel=geometry.kernel,
         )
 
     def to_core(self) -> topology.KVGeometry:
-        return topology.KVGeometry(self.num_layers, self.num_kv_heads, self.head_size, self.dtype, self.block_size)
+        return topology.KVGeometry(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            self.dtype,
+            self.block_size,
+            kv_scales=self.kv_scales,
+            kernel=self.kernel,
+        )
 
 
 class Region(_Struct, kw_only=True):
@@ -149,6 +163,7 @@ class Layer(_Struct, kw_only=True):
     token_stride: NonNegative
     plane_stride: NonNegative = 0
     num_planes: Planes = 1
+    group: Annotated[int, msgspec.Meta(ge=0, lt=64)] = 0  # its KV-cache group (core.groups); 0 from older peers
 
     @classmethod
     def from_core(cls, lk: mem.LayerKV) -> Layer:
@@ -464,17 +479,32 @@ def peer_version(data: bytes | bytearray | memoryview) -> int | None:
 
 Peer = HandshakeRequest | HandshakeReply
 
-_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size")
+_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "kernel")
+
+
+def _scale_mismatch(ours: Geometry, theirs: Geometry) -> tuple[str, object, object] | None:
+    """(field, ours, theirs) for the first layer both peers hold whose k_scale or v_scale differs, or for scales on
+    one side only (`kv_scales`); None when they agree. The values name the layer: "layer 3: 0.5"."""
+    if bool(ours.kv_scales) != bool(theirs.kv_scales):
+        return "kv_scales", len(ours.kv_scales), len(theirs.kv_scales)
+    other = {layer: (k, v) for layer, k, v in theirs.kv_scales}
+    for layer, k, v in ours.kv_scales:
+        if layer in other:
+            for field, mine, peer in (("k_scale", k, other[layer][0]), ("v_scale", v, other[layer][1])):
+                if mine != peer:
+                    return field, f"layer {layer}: {mine}", f"layer {layer}: {peer}"
+    return None
 
 
 def check_compatible(ours: Peer, theirs: Peer) -> None:
     """Raise IncompatiblePeerError for the first field on which the peers' KV caches disagree.
 
     Compared, in order: protocol_version, the geometry (num_layers, num_kv_heads, head_size, dtype,
-    block_size), and the page format (num_planes, row_bytes). The physical layout names (`kv_layout`) may
-    differ: descriptors are computed from strides. Then each side's own handshake must agree with itself
-    (ProtocolError otherwise): its layout must fit the geometry and hold its worker, and a reply's memory must
-    hold every layer of its stage with the KV heads of its TP rank.
+    block_size, kernel; then a quantized cache's k_scale and v_scale on the layers both hold), and the page
+    format (num_planes, row_bytes). The physical layout names (`kv_layout`) may differ: descriptors are computed
+    from strides. Then each side's own handshake must agree with itself (ProtocolError otherwise): its layout must
+    fit the geometry and hold its worker, and a reply's memory must hold every layer of its stage with the KV
+    heads of its TP rank.
     """
     if ours.protocol_version != theirs.protocol_version:
         raise IncompatiblePeerError("protocol_version", ours.protocol_version, theirs.protocol_version)
@@ -482,6 +512,9 @@ def check_compatible(ours: Peer, theirs: Peer) -> None:
         mine, other = getattr(ours.geometry, field), getattr(theirs.geometry, field)
         if mine != other:
             raise IncompatiblePeerError(field, mine, other)
+    scales = _scale_mismatch(ours.geometry, theirs.geometry)
+    if scales is not None:
+        raise IncompatiblePeerError(*scales)
     pages = zip(("num_planes", "row_bytes"), ours.page_format(), theirs.page_format(), strict=True)
     for field, mine, other in pages:
         if mine != other:

@@ -11,7 +11,10 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
     do_remote_decode    false
     remote_engine_id    the prefill engine's id (one per DP rank)
     remote_request_id   the request id on the prefill engine (the key its blocks are held under)
-    remote_block_ids    the prefill engine's block ids of the prompt, in order
+    remote_block_ids    the prefill engine's block ids of the prompt, in order (one KV-cache group)
+    remote_group_block_ids  with several KV-cache groups (vLLM's hybrid KV-cache manager), instead: per group, its
+                        blocks of the prompt without the null blocks, aligned to the prompt's end (a sliding-window
+                        group's in-window tail; `core.groups`); `remote_block_ids` is then empty (kvbridge)
     remote_host         side-channel address of the prefill instance
     remote_port         side-channel base port; each worker listens on a port derived from it
     remote_dp_rank      the prefill engine's DP rank (kvbridge)
@@ -52,6 +55,7 @@ _EXTRAS_TAG = b"kvbridge-kv-extras-v1\0"
 MAX_WORKERS = 65536
 """No parsed params name a larger prefill layout (the config's max_remote_workers is usually far smaller)."""
 MAX_BLOCKS = 1 << 20
+MAX_GROUPS = 64
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
@@ -79,10 +83,16 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     remote_token: str = ""
     remote_expires: float = 0.0
     kvbridge_sig: str = ""
+    remote_group_block_ids: list[list[BlockId]] = []
 
     @property
     def layout(self) -> ParallelLayout:
         return _parse_layout(self.remote_layout)
+
+    @property
+    def group_block_ids(self) -> tuple[list[int], ...]:
+        """The block lists per KV-cache group: `remote_group_block_ids`, or the one group's `remote_block_ids`."""
+        return tuple(self.remote_group_block_ids) if self.remote_group_block_ids else (self.remote_block_ids,)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -210,6 +220,10 @@ def parse_prefill_done(params: dict[str, Any]) -> PrefillDone:
     # NixlConnector sends one list per KV cache group; a model with one group sends [[...]].
     if isinstance(blocks, list | tuple) and len(blocks) == 1 and isinstance(blocks[0], list | tuple):
         raw["remote_block_ids"] = list(blocks[0])
+    elif isinstance(blocks, list | tuple) and blocks and all(isinstance(b, list | tuple) for b in blocks):
+        if raw.get("remote_group_block_ids"):
+            raise RequestParamsError("kv_transfer_params: remote_block_ids and remote_group_block_ids both per group")
+        raw["remote_group_block_ids"], raw["remote_block_ids"] = [list(b) for b in blocks], []
     if "remote_layout" not in raw and "tp_size" in raw:
         raw["remote_layout"] = f"pp={raw.get('pp_size', 1)},tp={raw['tp_size']}"
     try:
@@ -224,7 +238,12 @@ def parse_prefill_done(params: dict[str, Any]) -> PrefillDone:
         raise RequestParamsError(f"kv_transfer_params: remote_layout: {exc}") from None
     if layout.dp * layout.workers_per_engine > MAX_WORKERS:  # before anything enumerates the workers
         raise RequestParamsError(f"kv_transfer_params: remote_layout {layout} has more than {MAX_WORKERS} workers")
-    if len(done.remote_block_ids) > MAX_BLOCKS or len(done.remote_token) > 64 or len(done.remote_host) > 256:
+    if len(done.remote_group_block_ids) > MAX_GROUPS or (done.remote_group_block_ids and done.remote_block_ids):
+        raise RequestParamsError(
+            "kv_transfer_params: remote_group_block_ids has too many groups, or both lists are set"
+        )
+    blocks = sum(map(len, done.group_block_ids))
+    if blocks > MAX_BLOCKS or len(done.remote_token) > 64 or len(done.remote_host) > 256:
         raise RequestParamsError("kv_transfer_params: remote_block_ids, remote_token or remote_host too long")
     if done.remote_dp_rank >= layout.dp and layout.dp > 1:
         raise RequestParamsError(

@@ -1,0 +1,240 @@
+"""End to end in real vLLM (CPU): a sliding-window hybrid with vLLM's hybrid KV-cache manager (HMA) on.
+
+The model is a tiny Llama whose layers alternate sliding-window (window 64) and full attention. kvbridge is
+`SupportsHMA`, so vLLM keeps HMA on: the KV cache is two groups (sliding layers 0 and 2, full layers 1 and 3)
+aliasing one pool, each with its own block table per request; a sliding-window group holds only the blocks its
+window still needs (null block 0 in place of the others). Prompts of 300 and 457 tokens at block 32 are 10 and
+15 blocks; the sliding group holds 3 of them. Each layer is copied with its own group's blocks, the sliding
+layers only their in-window blocks.
+
+Four `kv_both` kvbridge servers are started once for the module, a pair's two servers on different cores:
+
+    pp2  pp=2 (core 0)     pp1a pp=1 (core 1)     tp2  tp=2 (core 1)     pp1b pp=1 (core 0)
+
+Each pair checks that the decode server's greedy output equals its own aggregated output, that it counts every
+prompt token as transferred (`external_kv_transfer`) and none as computed, and that it moved exactly the in-window
+blocks of the sliding layers and every block of the full layers (`vllm:kvbridge_bytes_total`). Negative controls:
+the sliding group's blocks loaded in the wrong order change the output; params that lack a block the decode's
+window needs are refused (`vllm:kvbridge_rejected_params_total{reason="blocks"}`), never read.
+
+With KVBRIDGE_HMA_MEMORY=1 an aggregated server with HMA off is started too and the KV-cache capacity vLLM logs
+with HMA on and off is printed (the figures are in the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+
+import pytest
+
+from kvbridge.core.groups import CacheGroup
+from kvbridge.serving.launcher import (
+    VllmServer,
+    complete,
+    free_base_port,
+    free_port,
+    kvbridge_config,
+    metric_sum,
+    metrics,
+    running,
+)
+from kvbridge.serving.tiny_model import build_tiny_sliding_llama
+
+pytestmark = pytest.mark.vllm
+
+NUM_LAYERS = 4
+WINDOW = 64
+BLOCK = 32
+PAGE_BYTES = 4 * BLOCK * 2 * 32 * 4  # one block of one layer: 4 KV heads x 32 tokens x (K 32 + V 32) float32
+SLIDING, FULL = CacheGroup(BLOCK, WINDOW), CacheGroup(BLOCK)
+SERVERS = {
+    # name: (pp, tp, cores of its workers)
+    "pp2": (2, 1, "0|0"),
+    "pp1a": (1, 1, "1"),
+    "tp2": (1, 2, "1|1"),
+    "pp1b": (1, 1, "0"),
+}
+PAIRS = [
+    ("pp1a", "pp1b"),  # pp1 -> pp1
+    ("pp2", "tp2"),  # pp2 -> tp2
+    ("tp2", "pp2"),  # tp2 -> pp2
+    ("tp2", "pp1b"),  # tp2 -> tp1
+    ("pp2", "pp1a"),  # pp2 -> pp1
+]
+# Longer than the window: the sliding group holds 3 of 10 and 3 of 15 blocks. Not a length whose window starts at
+# a block's first token ((n - WINDOW + 1) % BLOCK == 0): there vLLM's decode-side manager frees that block too.
+PROMPT_LENGTHS = (300, 457)
+MAX_TOKENS = 8
+SOURCE = "vllm:prompt_tokens_by_source_total"
+ARGS = ("--no-enable-prefix-caching",)
+
+
+def server(model, name: str, cores: str, kv_transfer_config: dict | None, root, pp=1, tp=1, extra=(), max_len=1024):
+    return VllmServer(
+        model,
+        port=free_port(),
+        pp=pp,
+        tp=tp,
+        cpu_bind=cores,
+        block_size=BLOCK,
+        max_model_len=max_len,
+        extra_args=(*ARGS, *extra),
+        kv_transfer_config=kv_transfer_config,
+        name=f"hma-{name}",
+        log_path=root / f"{name}.log",
+    )
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e-hma")
+
+
+@pytest.fixture(scope="module")
+def model(root):
+    return build_tiny_sliding_llama(root / "model", num_layers=NUM_LAYERS, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = random.Random(20261201)
+    return [[rng.randrange(1, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def servers(root, model):
+    started = {
+        name: server(
+            model,
+            name,
+            cores,
+            kvbridge_config("kv_both", side_channel_port=free_base_port(pp * tp), lease_s=30.0),
+            root,
+            pp=pp,
+            tp=tp,
+        )
+        for name, (pp, tp, cores) in SERVERS.items()
+    }
+    with running(list(started.values())):
+        yield started
+
+
+@pytest.fixture(scope="module")
+def aggregated(servers, batch):
+    """Each server's own greedy output for each prompt, no connector involved in the request."""
+    return {
+        name: [complete(s.url, x, MAX_TOKENS, timeout=120)["choices"][0]["token_ids"] for x in batch]
+        for name, s in servers.items()
+    }
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
+def prefill(p: VllmServer, prompt: list[int]) -> dict:
+    first = complete(p.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=120)
+    params = first["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] is True, first
+    return params
+
+
+def decode(d: VllmServer, prompt: list[int], params: dict) -> list[int]:
+    return complete(d.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)["choices"][0]["token_ids"]
+
+
+def test_the_servers_run_two_kv_cache_groups(servers):
+    """HMA is on (kvbridge is SupportsHMA) and the KV cache is the two groups."""
+    for s in servers.values():
+        log = s.log_path.read_text(errors="replace")
+        assert "Turning off hybrid kv cache manager" not in log and "Hybrid KV cache manager is disabled" not in log
+
+
+@pytest.mark.parametrize(("prefill_name", "decode_name"), PAIRS)
+def test_hma_disaggregated_output_equals_aggregated(servers, batch, aggregated, prefill_name, decode_name):
+    p, d = servers[prefill_name], servers[decode_name]
+    before = metrics(d.url)
+    for prompt, want in zip(batch, aggregated[decode_name], strict=True):
+        params = prefill(p, prompt)
+        sliding, full = params["remote_group_block_ids"]
+        assert params["remote_block_ids"] == []
+        # only the in-window blocks of the sliding group are published, every block of the full group
+        assert len(sliding) == SLIDING.live_blocks(len(prompt)) < FULL.num_blocks(len(prompt)) == len(full)
+        assert 0 not in sliding + full
+        tokens = decode(d, prompt, params)
+        assert tokens == want, f"{prefill_name} -> {decode_name} ({len(prompt)} tokens): {tokens} != {want}"
+    after = metrics(d.url)
+    assert delta(before, after, SOURCE, source="external_kv_transfer") == sum(map(len, batch))
+    assert delta(before, after, SOURCE, source="local_compute") == 0, "the decode server recomputed prompt tokens"
+    # two sliding layers x their in-window blocks + two full layers x every block, once per decode instance
+    blocks = sum(2 * SLIDING.live_blocks(len(x)) + 2 * FULL.num_blocks(len(x)) for x in batch)
+    assert delta(before, after, "vllm:kvbridge_bytes_total") == blocks * PAGE_BYTES
+
+
+def test_hma_negative_control_sliding_blocks_in_the_wrong_order_change_the_output(servers, batch, aggregated):
+    """The oracle can fail: the sliding group's in-window blocks rotated (the claim checks only that the blocks
+    are the request's), so each sliding layer's window holds its tokens at the wrong positions."""
+    p, d = servers["pp2"], servers["pp1a"]
+    prompt, want = batch[0], aggregated["pp1a"][0]
+    params = prefill(p, prompt)
+    sliding, full = params["remote_group_block_ids"]
+    params["remote_group_block_ids"] = [sliding[1:] + sliding[:1], full]
+    before = metrics(d.url)
+    tokens = decode(d, prompt, params)
+    assert delta(before, metrics(d.url), SOURCE, source="external_kv_transfer") == len(prompt)
+    assert tokens != want, "sliding-window KV loaded into the wrong blocks must show in the output"
+
+
+def test_hma_params_missing_an_in_window_block_are_refused(servers, batch):
+    """A sliding group's list that lacks a block the decode's window needs is refused before any read."""
+    p, d = servers["pp1a"], servers["pp1b"]
+    prompt = batch[1]
+    params = prefill(p, prompt)
+    sliding, full = params["remote_group_block_ids"]
+    params["remote_group_block_ids"] = [sliding[1:], full]
+    before = metrics(d.url)
+    with contextlib.suppress(Exception):  # kv_load_failure_policy "fail": the request fails; what counts is below
+        decode(d, prompt, params)
+    after = metrics(d.url)
+    assert delta(before, after, "vllm:kvbridge_rejected_params_total", reason="blocks") == 1
+    assert delta(before, after, "vllm:kvbridge_bytes_total") == 0
+    complete(p.url, prompt, 1, timeout=60)  # the prefill server is fine (its lease frees the blocks)
+
+
+def kv_capacity(log: str) -> tuple[int, float]:
+    """(KV cache size in tokens, maximum concurrency) from vLLM's start-up log."""
+    m = re.search(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", log)
+    assert m, "vLLM logged no KV cache size"
+    return int(m.group(1).replace(",", "")), float(m.group(2))
+
+
+@pytest.mark.skipif(os.environ.get("KVBRIDGE_HMA_MEMORY") != "1", reason="set KVBRIDGE_HMA_MEMORY=1 to measure")
+def test_hma_kv_memory_against_hma_off(root, model):
+    """Two kvbridge servers with the same model, block size and KV memory (1 GiB), HMA on (the default now) and off
+    (`--disable-hybrid-kv-cache-manager`), max_model_len 4096 and 512 batched tokens: vLLM's logged capacity
+    (its worst case per request: every block of the full group, a window plus a batch for the sliding group)."""
+    mem = {"on": (), "off": ("--disable-hybrid-kv-cache-manager",)}
+    started = {
+        name: server(
+            model,
+            f"mem-{name}",
+            cores,
+            kvbridge_config("kv_both", side_channel_port=free_base_port(1)),
+            root,
+            extra=(*flags, "--max-num-batched-tokens", "512"),
+            max_len=4096,
+        )
+        for (name, flags), cores in zip(mem.items(), ("0", "1"), strict=True)
+    }
+    with running(list(started.values())):
+        pass
+    got = {name: kv_capacity(s.log_path.read_text(errors="replace")) for name, s in started.items()}
+    for name, s in started.items():
+        for line in s.log_path.read_text(errors="replace").splitlines():
+            if "KV cache size" in line or "kvbridge worker" in line:
+                print(f"HMA {name}: {line.strip()[:260]}")
+    print(f"HMA on: {got['on'][0]} tokens, {got['on'][1]}x; HMA off: {got['off'][0]} tokens, {got['off'][1]}x")
+    assert got["on"][1] > 1.5 * got["off"][1]
