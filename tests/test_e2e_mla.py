@@ -146,9 +146,11 @@ def reference(root, model, batch):
     out: dict[str, list] = {}
     with running(list(nixl.values())):
         for pair, (p, d) in NIXL_PAIRS.items():
-            before = metrics(nixl[d].url)
+            # NixlConnector's engines step continuously while they hold or await KV, and on 2 cores its API server
+            # once took over 10 s to answer /metrics in CI (issue "Liveness"): a long timeout for the reference.
+            before = metrics(nixl[d].url, timeout=90)
             out[pair] = [disaggregated(nixl[p], nixl[d], prompt)[0] for prompt in batch]
-            moved = delta(before, metrics(nixl[d].url), SOURCE, source="external_kv_transfer")
+            moved = delta(before, metrics(nixl[d].url, timeout=90), SOURCE, source="external_kv_transfer")
             assert moved == sum(map(len, batch)), f"NixlConnector {pair} did not transfer every prompt token"
         out["aggregated"] = [complete(nixl["n1a"].url, x, MAX_TOKENS)["choices"][0]["token_ids"] for x in batch]
     return out

@@ -260,7 +260,7 @@ class DecodeWorker:
             load.engine = engine
             load.connected = time.monotonic()
             if time.monotonic() > load.deadline:
-                raise TransferTimeout(f"not started after {self.config.transfer_timeout_s:g} s")
+                raise TransferTimeout(f"not started after {load.deadline - load.queued:.3g} s (its deadline)")
             # Counted on its engine from here to its report: an engine retired meanwhile (evicted, restarted) is
             # not reaped, its NIXL agents and IPC mappings kept, while this load waits to be posted.
             self.peers.begin(engine)
@@ -356,7 +356,7 @@ class DecodeWorker:
         else READs."""
         engine = load.engine
         if time.monotonic() > load.deadline:
-            self._fail(load, f"not started after {self.config.transfer_timeout_s:g} s")
+            self._fail(load, f"not started after {load.deadline - load.queued:.3g} s (its deadline)")
             return
         if engine.kernels is not None:
             self.ipc.launch(load)
