@@ -10,6 +10,7 @@ and its workers spin; on a 2-core machine a decode server sharing the core would
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -36,12 +37,17 @@ SOURCE = "vllm:prompt_tokens_by_source_total"
 
 @dataclass(frozen=True)
 class Place:
-    """One server of a layout: its parallel sizes, the cores of its workers, and extra vLLM arguments."""
+    """One server of a layout: its parallel sizes, the cores of its workers, extra vLLM arguments and extra
+    connector config."""
 
     pp: int
     tp: int
     cores: str
     args: tuple[str, ...] = field(default=())
+    kv: Mapping[str, Any] = field(default_factory=dict)
+
+    def but(self, **changes: Any) -> Place:
+        return dataclasses.replace(self, **changes)
 
     @property
     def layout(self) -> str:
@@ -49,6 +55,9 @@ class Place:
 
 
 FOUR = {"pp2": Place(2, 1, "0|0"), "pp1a": Place(1, 1, "1"), "tp2": Place(1, 2, "1|1"), "pp1b": Place(1, 1, "0")}
+UNCHECKED = {"check_blocks": False}
+"""For a negative control's prefill server: its claims do not bind the block order, so edited params can load
+wrong blocks (which the check refuses otherwise, also without a deployment key)."""
 
 
 def layout_servers(
@@ -61,7 +70,8 @@ def layout_servers(
     **server: Any,
 ) -> dict[str, VllmServer]:
     """One `kv_both` kvbridge server per place (not started: pass them to `running`). `args` go to every server
-    before its place's own; `kv` adds to each connector config (lease 30 s unless given); `server` to VllmServer."""
+    before its place's own; `kv` adds to each connector config (lease 30 s unless given), the place's own `kv` after
+    it; `server` goes to VllmServer."""
     extra = {"lease_s": 30.0, **(kv or {})}
     return {
         name: VllmServer(
@@ -71,7 +81,9 @@ def layout_servers(
             tp=p.tp,
             cpu_bind=p.cores,
             extra_args=(*args, *p.args),
-            kv_transfer_config=kvbridge_config("kv_both", side_channel_port=free_base_port(p.pp * p.tp), **extra),
+            kv_transfer_config=kvbridge_config(
+                "kv_both", side_channel_port=free_base_port(p.pp * p.tp), **{**extra, **p.kv}
+            ),
             name=f"{prefix}{name}",
             log_path=root / f"{name}.log",
             **server,

@@ -25,16 +25,27 @@ import statistics
 
 import pytest
 
-from e2e_support import FOUR, SOURCE, Place, delta, disaggregated, layout_servers, prompts, write_ttft_report
+from e2e_support import (
+    FOUR,
+    SOURCE,
+    UNCHECKED,
+    Place,
+    delta,
+    disaggregated,
+    layout_servers,
+    prompts,
+    write_ttft_report,
+)
 from kvbridge.serving.launcher import complete, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
 SERVERS = {
-    **{name: Place(p.pp, p.tp, p.cores, ("--kv-cache-dtype", "fp8")) for name, p in FOUR.items()},
+    **{name: p.but(args=("--kv-cache-dtype", "fp8")) for name, p in FOUR.items()},
     "e5m2": Place(1, 1, "1", ("--kv-cache-dtype", "fp8_e5m2")),
 }
+SERVERS["pp2"] = SERVERS["pp2"].but(kv=UNCHECKED)  # the negative control's prefill
 PAIRS = [("pp1b", "pp1a"), ("pp2", "tp2"), ("tp2", "pp2")]
 PROMPT_LENGTHS = (40, 150)  # 1 and 2 blocks, the last ones partial
 BLOCK = 128
@@ -144,8 +155,9 @@ def test_fp8_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
 
 
 def test_fp8_negative_control_the_wrong_blocks_change_the_output(servers, batch, aggregated):
-    """The oracle can fail: the prompt's blocks loaded in reverse order are counted as transferred, and the output
-    is not the aggregated one."""
+    """The oracle can fail: the prompt's blocks loaded in reverse order (from a prefill server whose claims do not
+    bind the block order: `check_blocks` off) are counted as transferred, and the output is not the aggregated
+    one."""
     p, d = servers["pp2"], servers["tp2"]
     prompt, want = batch[1], aggregated[1]
     before = metrics(d.url)

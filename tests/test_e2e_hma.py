@@ -28,7 +28,7 @@ import re
 
 import pytest
 
-from e2e_support import SOURCE, Place, delta, layout_servers, prefill_params, prompts
+from e2e_support import FOUR, SOURCE, UNCHECKED, Place, delta, layout_servers, prefill_params, prompts
 from kvbridge.core.groups import CacheGroup
 from kvbridge.serving.launcher import complete, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_sliding_llama
@@ -72,7 +72,8 @@ def batch():
 
 @pytest.fixture(scope="module")
 def servers(root, model):
-    started = layout_servers(model, root, prefix="hma-", args=ARGS, **SERVER)
+    places = {**FOUR, "pp2": FOUR["pp2"].but(kv=UNCHECKED)}  # pp2: the negative control's prefill
+    started = layout_servers(model, root, places, prefix="hma-", args=ARGS, **SERVER)
     with running(list(started.values())):
         yield started
 
@@ -119,8 +120,9 @@ def test_hma_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
 
 
 def test_hma_negative_control_sliding_blocks_in_the_wrong_order_change_the_output(servers, batch, aggregated):
-    """The oracle can fail: the sliding group's in-window blocks rotated (the claim checks only that the blocks
-    are the request's), so each sliding layer's window holds its tokens at the wrong positions."""
+    """The oracle can fail: the sliding group's in-window blocks rotated, from a prefill server whose claims do not
+    bind the block order (`check_blocks` off; the default refuses such params), so each sliding layer's window
+    holds its tokens at the wrong positions."""
     p, d = servers["pp2"], servers["pp1a"]
     prompt, want = batch[0], aggregated["pp1a"][0]
     params = prefill_params(p, prompt)

@@ -33,7 +33,7 @@ import statistics
 
 import pytest
 
-from e2e_support import FOUR, SOURCE, delta, disaggregated, layout_servers, prompts, write_ttft_report
+from e2e_support import FOUR, SOURCE, UNCHECKED, delta, disaggregated, layout_servers, prompts, write_ttft_report
 from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, metrics, running
 from kvbridge.serving.tiny_model import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_deepseek_v2
 
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.vllm
 NUM_LAYERS = 4
 BLOCK = 16
 LATENT_BYTES = (MLA_KV_LORA_RANK + MLA_ROPE_DIM) * 4  # one token of one layer, float32
-SERVERS = FOUR
+SERVERS = {**FOUR, "pp2": FOUR["pp2"].but(kv=UNCHECKED)}  # pp2: the negative control's prefill
 PAIRS = [
     ("pp1a", "pp1b"),  # pp1 -> pp1
     ("pp2", "tp2"),  # pp2 -> tp2: each decode rank reads the whole latent of each stage
@@ -133,7 +133,7 @@ def nixl_reference(prefill: VllmServer, decode: VllmServer, prompt: list[int], p
 
 @pytest.fixture(scope="module")
 def servers(root, model, reference):  # after the reference: its servers are stopped by then
-    started = layout_servers(model, root, prefix="mla-", args=MLA_ARGS, block_size=BLOCK, max_model_len=1024)
+    started = layout_servers(model, root, SERVERS, prefix="mla-", args=MLA_ARGS, block_size=BLOCK, max_model_len=1024)
     with running(list(started.values())):
         yield started
 
@@ -193,8 +193,9 @@ def test_mla_disaggregated_output_equals_nixl_connectors(servers, batch, referen
 
 
 def test_mla_negative_control_the_wrong_blocks_change_the_output(servers, batch, reference):
-    """The oracle can fail: every remote block id replaced by the first (the claim checks only that the blocks are
-    the request's), so the decode loads the prompt's first 16 latents into every block. The transfer is counted,
+    """The oracle can fail: every remote block id replaced by the first, from a prefill server whose claims do not
+    bind the block order (`check_blocks` off; the default refuses such params, tests/test_e2e_vllm.py), so the
+    decode loads the prompt's first 16 latents into every block. The transfer is counted,
     and the output is not the reference. (Reversing the block order would not do: attention over latents whose
     rope is already applied does not depend on their order.)"""
     p, d = servers["pp2"], servers["pp1a"]
