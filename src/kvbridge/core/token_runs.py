@@ -34,7 +34,12 @@ from kvbridge.core.segments import check_blocks
 from kvbridge.core.topology import WorkerRank
 
 TOKEN_FORMATS = (PAGE_ROWS, PAGE_CPU_ATTN)
-"""Page formats whose tokens can be addressed one by one (the only ones whose block sizes may differ)."""
+"""Page formats whose tokens can be addressed one by one."""
+
+VERIFIED_FORMATS = (PAGE_CPU_ATTN,)
+"""Formats checked against their backend's kernel (tests/test_token_runs.py): the only ones whose block sizes the
+handshake lets differ. PAGE_ROWS is what strides say, unchecked for any real backend (GPU backends are not run
+here), so a worker that does not name its format gets whole-page copies and equal block sizes only."""
 
 
 @dataclass(frozen=True)
