@@ -18,6 +18,7 @@ import zmq
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import ProtocolError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.leases import blocks_digest
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.prefill_worker import PrefillWorker
@@ -168,7 +169,13 @@ def test_a_claim_without_the_token_does_not_tell_held_ids_from_unknown_ones(keye
 
     def claim(request_id: str, blocks: tuple[int, ...], token: str) -> wire.Message:
         message = wire.Claim(
-            request_id=request_id, block_ids=blocks, engine_id="d", worker=wire.Worker(), token=token, prompt_hash="h"
+            request_id=request_id,
+            block_ids=blocks,
+            engine_id="d",
+            worker=wire.Worker(),
+            token=token,
+            prompt_hash="h",
+            blocks_digest=blocks_digest((1, 2, 3)),
         )
         return exchange("127.0.0.1", keyed_worker.port, message, timeout_s=5.0, retries=0, sealer=sealer)
 

@@ -9,12 +9,12 @@ block and offset, where CPU_ATTN's pages keep it (K channel-major, V token-major
 
 Each direction checks that the decode server's greedy output equals its own aggregated output and that it counts
 every prompt token as transferred (`external_kv_transfer`), none computed, and that exactly the prompt's tokens
-moved (`vllm:kvbridge_bytes_total`). Prompts of 150 and 300 tokens end
-inside a block on both sides. Negative control: the prefill's block ids shifted by one in the params (a wrong
-token -> block mapping: the first block's tokens twice, the last block's lost; the claim checks only that the
-blocks are the request's) change the output. (A mere rotation does not: the last prompt token attends to every
-cached token, and the keys carry their positions (RoPE), so the order the cache holds whole tokens in is invisible
-but for the last block's unused tail.)
+moved (`vllm:kvbridge_bytes_total`). Prompts of 150 and 300 tokens end inside a block on both sides. Negative
+control: the prefill's block ids shifted by one in the params (a wrong token -> block mapping: the first block's
+tokens twice, the last block's lost), from a prefill whose claims do not bind the block order (`check_blocks` off;
+the default refuses such params), change the output. (A mere rotation does not: the last prompt token attends to
+every cached token, and the keys carry their positions (RoPE), so the order the cache holds whole tokens in is
+invisible but for the last block's unused tail.)
 
 MLA is not run here: vLLM's CPU MLA backend forces block 16 on every server (no AMX on these machines), so its
 block sizes cannot differ; tests/test_token_runs.py covers its geometry.
@@ -22,62 +22,35 @@ block sizes cannot differ; tests/test_token_runs.py covers its geometry.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from kvbridge.serving.launcher import (
-    VllmServer,
-    complete,
-    free_base_port,
-    free_port,
-    kvbridge_config,
-    metric_sum,
-    metrics,
-    running,
-)
+from e2e_support import SOURCE, UNCHECKED, Place, delta, layout_servers, prefill_params, prompts
+from kvbridge.serving.launcher import complete, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
-SERVERS = {
-    # name: (block size, pp, tp, cores of its workers): the two never share a core
-    "small": (32, 1, 1, "1"),
-    "large": (128, 1, 2, "0|0"),
+BLOCK = {"small": 32, "large": 128}
+SERVERS = {  # the two never share a core; small is the negative control's prefill (its claims bind no block order)
+    "small": Place(1, 1, "1", ("--block-size", "32"), kv=UNCHECKED),
+    "large": Place(1, 2, "0|0", ("--block-size", "128")),
 }
 PROMPT_LENGTHS = (150, 300)
 MAX_TOKENS = 8
-SOURCE = "vllm:prompt_tokens_by_source_total"
 TOKEN_BYTES = 4 * 4 * (32 + 32) * 4  # one token of every layer: 4 layers x 4 KV heads x (K 32 + V 32) float32
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e-block-sizes")
-    model = build_tiny_model(root / "model")
-    started = {
-        name: VllmServer(
-            model,
-            port=free_port(),
-            pp=pp,
-            tp=tp,
-            cpu_bind=cores,
-            block_size=block,
-            extra_args=("--no-enable-prefix-caching",),
-            kv_transfer_config=kvbridge_config("kv_both", side_channel_port=free_base_port(pp * tp), lease_s=30.0),
-            name=f"bs-{name}",
-            log_path=root / f"{name}.log",
-        )
-        for name, (block, pp, tp, cores) in SERVERS.items()
-    }
+    started = layout_servers(build_tiny_model(root / "model"), root, SERVERS, "bs-", ("--no-enable-prefix-caching",))
     with running(list(started.values())):
         yield started
 
 
 @pytest.fixture(scope="module")
 def batch():
-    rng = random.Random(20261216)
-    return [[rng.randrange(1, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return prompts(20261216, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +61,7 @@ def aggregated(servers, batch):
     }
 
 
-def prefill(p: VllmServer, prompt: list[int]) -> dict:
-    first = complete(p.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=120)
-    params = first["kv_transfer_params"]
-    assert params and params["do_remote_prefill"] is True, first
-    return params
-
-
-def decode(d: VllmServer, prompt: list[int], params: dict) -> list[int]:
+def decode(d, prompt: list[int], params: dict) -> list[int]:
     return complete(d.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)["choices"][0]["token_ids"]
 
 
@@ -103,7 +69,7 @@ def test_the_servers_name_cpu_attn_pages(servers):
     """Both run with the block sizes asked, and kvbridge (this tree's, PYTHONPATH included) names CPU_ATTN pages."""
     for name, s in servers.items():
         log = s.log_path.read_text(errors="replace")
-        assert f"blocks of {SERVERS[name][0]} tokens" in log and "pages 'cpu_attn'" in log, name
+        assert f"blocks of {BLOCK[name]} tokens" in log and "pages 'cpu_attn'" in log, name
 
 
 @pytest.mark.parametrize(("prefill_name", "decode_name"), [("small", "large"), ("large", "small")])
@@ -111,32 +77,28 @@ def test_different_block_sizes_output_equals_aggregated(servers, batch, aggregat
     p, d = servers[prefill_name], servers[decode_name]
     before = metrics(d.url)
     for prompt, want in zip(batch, aggregated[decode_name], strict=True):
-        params = prefill(p, prompt)
-        assert params["remote_block_size"] == SERVERS[prefill_name][0]
-        assert len(params["remote_block_ids"]) >= -(-len(prompt) // SERVERS[prefill_name][0])
+        params = prefill_params(p, prompt)
+        assert params["remote_block_size"] == BLOCK[prefill_name]
+        assert len(params["remote_block_ids"]) >= -(-len(prompt) // BLOCK[prefill_name])
         tokens = decode(d, prompt, params)
         assert tokens == want, f"{prefill_name} -> {decode_name} ({len(prompt)} tokens): {tokens} != {want}"
     after = metrics(d.url)
-    moved = metric_sum(after, SOURCE, source="external_kv_transfer") - metric_sum(
-        before, SOURCE, source="external_kv_transfer"
-    )
-    computed = metric_sum(after, SOURCE, source="local_compute") - metric_sum(before, SOURCE, source="local_compute")
+    moved = delta(before, after, SOURCE, source="external_kv_transfer")
+    computed = delta(before, after, SOURCE, source="local_compute")
     assert moved == sum(map(len, batch)) and computed == 0, (moved, computed)
     # exactly the prompt's tokens, once per (layer, KV head): not the unused tails of the last blocks
-    nbytes = metric_sum(after, "vllm:kvbridge_bytes_total") - metric_sum(before, "vllm:kvbridge_bytes_total")
+    nbytes = delta(before, after, "vllm:kvbridge_bytes_total")
     assert nbytes == TOKEN_BYTES * sum(map(len, batch)), nbytes
 
 
 def test_negative_control_a_wrong_token_to_block_mapping_changes_the_output(servers, batch, aggregated):
     p, d = servers["small"], servers["large"]
     prompt, want = batch[1], aggregated["large"][1]
-    params = prefill(p, prompt)
-    ids = params["remote_block_ids"][: -(-len(prompt) // SERVERS["small"][0])]
+    params = prefill_params(p, prompt)
+    ids = params["remote_block_ids"][: -(-len(prompt) // BLOCK["small"])]
     params["remote_block_ids"] = ids[:1] + ids[:-1]  # tokens 0-31 twice, the prompt's last 32 lost
     before = metrics(d.url)
     tokens = decode(d, prompt, params)
-    moved = metric_sum(metrics(d.url), SOURCE, source="external_kv_transfer") - metric_sum(
-        before, SOURCE, source="external_kv_transfer"
-    )
+    moved = delta(before, metrics(d.url), SOURCE, source="external_kv_transfer")
     assert moved == len(prompt)
     assert tokens != want, "KV loaded from the wrong blocks must show in the output"

@@ -63,7 +63,7 @@ def pair(tmp_path_factory):
         model,
         port=free_port(),
         cpu_bind="1",
-        kv_transfer_config=config("kv_consumer", free_base_port(1), policy="fail", handshake_timeout_s=1.0),
+        kv_transfer_config=config("kv_consumer", free_base_port(1), policy="fail"),
         name="decode-fail",
         log_path=root / "decode-fail.log",
     )
@@ -229,7 +229,9 @@ def test_killed_decode_server_leaks_no_prefill_blocks(pair):
     with ThreadPoolExecutor(1) as pool:
         # a long generation keeps the request inside the decode server for seconds after its load
         pd = pool.submit(complete, strict.url, p, 300, params, 60, ignore_eos=True)
-        assert wait_for(lambda: metric_sum(metrics(strict.url), "vllm:num_requests_running") >= 1, 30)
+        running_ = wait_for(lambda: pd.done() or metric_sum(metrics(strict.url), "vllm:num_requests_running") >= 1, 30)
+        assert not pd.done(), f"the PD request ended before the kill: {pd.exception() or 'it finished'}"
+        assert running_, "the PD request was not running after 30 s"
         strict.kill()
         with pytest.raises(OSError):
             pd.result()

@@ -6,9 +6,8 @@ quarter of the float32 model's pages) on x86 hosts with AVX-512 or AMX, for head
 the format (`dtype`: float8_e4m3fn or float8_e5m2, which the uint8 tensors do not say), the kernel variant
 (`kernel`: backend and ISA, e.g. CPU_ATTN/vec) and each layer's k and v scale.
 
-Five `kv_both` servers are started once for the module, a pair's two servers on different cores:
-
-    pp2  pp=2 (core 0)   pp1a pp=1 (core 1)   tp2  tp=2 (core 1)   pp1b pp=1 (core 0)   e5m2 pp=1, fp8_e5m2 (core 1)
+Five `kv_both` servers are started once for the module: the four of `e2e_support.FOUR` (pp2, pp1a, tp2, pp1b; a
+pair's two on different cores) with `--kv-cache-dtype fp8`, and e5m2 (pp=1, core 1) with `fp8_e5m2`.
 
 Each pair (pp1 -> pp1, pp2 -> tp2, tp2 -> pp2) checks that the decode server's greedy output equals the aggregated
 FP8 server's (pp1a answering the prompt on its own), that the decode server counts every prompt token as
@@ -22,45 +21,36 @@ With KVBRIDGE_TTFT_OUT=path the pairs' TTFT (prefill leg + decode leg to its fir
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import random
 import statistics
-import sys
-import time
 
 import pytest
 
-from kvbridge.serving.launcher import (
-    VllmServer,
-    complete,
-    complete_streaming,
-    free_base_port,
-    free_port,
-    kvbridge_config,
-    metric_sum,
-    metrics,
-    running,
+from e2e_support import (
+    FOUR,
+    SOURCE,
+    UNCHECKED,
+    Place,
+    delta,
+    disaggregated,
+    layout_servers,
+    prompts,
+    write_ttft_report,
 )
+from kvbridge.serving.launcher import complete, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
 SERVERS = {
-    # name: (pp, tp, cores of its workers, --kv-cache-dtype)
-    "pp2": (2, 1, "0|0", "fp8"),
-    "pp1a": (1, 1, "1", "fp8"),
-    "tp2": (1, 2, "1|1", "fp8"),
-    "pp1b": (1, 1, "0", "fp8"),
-    "e5m2": (1, 1, "1", "fp8_e5m2"),
+    **{name: p.but(args=("--kv-cache-dtype", "fp8")) for name, p in FOUR.items()},
+    "e5m2": Place(1, 1, "1", ("--kv-cache-dtype", "fp8_e5m2")),
 }
+SERVERS["pp2"] = SERVERS["pp2"].but(kv=UNCHECKED)  # the negative control's prefill
 PAIRS = [("pp1b", "pp1a"), ("pp2", "tp2"), ("tp2", "pp2")]
 PROMPT_LENGTHS = (40, 150)  # 1 and 2 blocks, the last ones partial
 BLOCK = 128
 PAGE_BYTES = 4 * BLOCK * 4 * (32 + 32)  # one block of one layer: 4 KV heads x 128 tokens x (K 32 + V 32) x 1 byte
 MAX_TOKENS = 8
-SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 def _has_avx512() -> bool:
@@ -83,31 +73,22 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(root):
     model = build_tiny_model(root / "model")
-    started = {
-        name: VllmServer(
-            model,
-            port=free_port(),
-            pp=pp,
-            tp=tp,
-            cpu_bind=cores,
-            block_size=BLOCK,
-            extra_args=("--kv-cache-dtype", cache_dtype, "--no-enable-prefix-caching"),
-            kv_transfer_config=kvbridge_config(
-                "kv_both", policy="recompute", side_channel_port=free_base_port(pp * tp), lease_s=30.0
-            ),
-            name=f"fp8-{name}",
-            log_path=root / f"{name}.log",
-        )
-        for name, (pp, tp, cores, cache_dtype) in SERVERS.items()
-    }
+    started = layout_servers(
+        model,
+        root,
+        SERVERS,
+        prefix="fp8-",
+        args=("--no-enable-prefix-caching",),
+        kv={"policy": "recompute"},
+        block_size=BLOCK,
+    )
     with running(list(started.values())):
         yield started
 
 
 @pytest.fixture(scope="module")
 def batch():
-    rng = random.Random(20261201)
-    return [[rng.randrange(1, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return prompts(20261201, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -120,43 +101,24 @@ def aggregated(servers, batch):
 def ttft_log():
     rows: list[dict] = []
     yield rows
-    path = os.environ.get("KVBRIDGE_TTFT_OUT")
-    if path and rows:
-        report = {
-            "command": f"KVBRIDGE_TTFT_OUT={path} " + " ".join(["python", "-m", "pytest", *sys.argv[1:]]),
-            "model": "tiny Qwen2 (4 layers, 4 KV heads x 32), float32 weights, --kv-cache-dtype fp8 (e4m3)",
-            "host": f"{platform.machine()}, {os.cpu_count()} cores",
-            "prompt_tokens": list(PROMPT_LENGTHS),
-            "max_tokens": MAX_TOKENS,
-            "pairs": rows,
-        }
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
+    write_ttft_report(
+        rows,
+        model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32 weights, --kv-cache-dtype fp8 (e4m3)",
+        prompt_tokens=list(PROMPT_LENGTHS),
+        max_tokens=MAX_TOKENS,
+    )
 
 
-def delta(before: dict, after: dict, name: str, **labels: str) -> float:
-    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
-
-
-def disaggregated(prefill: VllmServer, decode: VllmServer, prompt: list[int], params_edit=None):
-    """(generated tokens, params, seconds to the first token: prefill leg + decode leg to its first token)."""
-    t0 = time.monotonic()
-    first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=120)
-    prefill_s = time.monotonic() - t0
-    params = first["kv_transfer_params"]
-    assert params and params["do_remote_prefill"] is True, first
-    if params_edit is not None:
-        params = params_edit(params)
-    tokens, decode_first_s = complete_streaming(decode.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)
-    return tokens, params, prefill_s + decode_first_s
+def fp8_leg(p, d, prompt, edit=None):
+    leg = disaggregated(p, d, prompt, MAX_TOKENS, edit)
+    return leg.tokens, leg.params, leg.ttft_s
 
 
 def test_every_worker_read_its_fp8_kernel_and_scales(servers):
     """The handshake's `kernel` and scales come from the running vLLM workers (one log line per worker)."""
     for name, server in servers.items():
         lines = [x for x in server.log_path.read_text().splitlines() if "kvbridge: FP8 KV cache: kernel" in x]
-        pp, tp = SERVERS[name][:2]
+        pp, tp = SERVERS[name].pp, SERVERS[name].tp
         assert len(lines) == pp * tp, f"{name}: {lines}"
         assert all("CPU_ATTN/" in x and "[(1.0, 1.0)]" in x for x in lines), lines
 
@@ -165,10 +127,10 @@ def test_every_worker_read_its_fp8_kernel_and_scales(servers):
 def test_fp8_disaggregated_output_equals_aggregated(servers, batch, aggregated, ttft_log, prefill, decode):
     p, d = servers[prefill], servers[decode]
     before = metrics(d.url)
-    results = [disaggregated(p, d, prompt) for prompt in batch]
+    results = [fp8_leg(p, d, prompt) for prompt in batch]
     after = metrics(d.url)
     for prompt, want, (tokens, params, _) in zip(batch, aggregated, results, strict=True):
-        assert params["remote_layout"].startswith(f"pp={SERVERS[prefill][0]},tp={SERVERS[prefill][1]}")
+        assert params["remote_layout"].startswith(SERVERS[prefill].layout)
         assert tokens == want, f"{prefill} -> {decode} ({len(prompt)} tokens): disaggregated {tokens} != {want}"
     moved = delta(before, after, SOURCE, source="external_kv_transfer")
     assert moved == sum(map(len, batch)), "the decode server did not load every prompt token through kvbridge"
@@ -182,8 +144,8 @@ def test_fp8_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
     print(f"FP8 {prefill} -> {decode}: TTFT ms {ttft}")
     ttft_log.append(
         {
-            "prefill": f"pp={SERVERS[prefill][0]},tp={SERVERS[prefill][1]}",
-            "decode": f"pp={SERVERS[decode][0]},tp={SERVERS[decode][1]}",
+            "prefill": SERVERS[prefill].layout,
+            "decode": SERVERS[decode].layout,
             "equal_to_aggregated": True,
             "ttft_ms": ttft,
             "median_ttft_ms": statistics.median(ttft),
@@ -193,12 +155,13 @@ def test_fp8_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
 
 
 def test_fp8_negative_control_the_wrong_blocks_change_the_output(servers, batch, aggregated):
-    """The oracle can fail: the prompt's blocks loaded in reverse order are counted as transferred, and the output
-    is not the aggregated one."""
+    """The oracle can fail: the prompt's blocks loaded in reverse order (from a prefill server whose claims do not
+    bind the block order: `check_blocks` off) are counted as transferred, and the output is not the aggregated
+    one."""
     p, d = servers["pp2"], servers["tp2"]
     prompt, want = batch[1], aggregated[1]
     before = metrics(d.url)
-    tokens, params, _ = disaggregated(p, d, prompt, lambda x: dict(x, remote_block_ids=x["remote_block_ids"][::-1]))
+    tokens, params, _ = fp8_leg(p, d, prompt, lambda x: dict(x, remote_block_ids=x["remote_block_ids"][::-1]))
     after = metrics(d.url)
     assert len(params["remote_block_ids"]) > 1
     assert delta(before, after, SOURCE, source="external_kv_transfer") == len(prompt)
@@ -211,7 +174,7 @@ def test_an_e5m2_decode_is_refused_by_an_e4m3_prefill_naming_dtype(servers, batc
     p, d = servers["pp1b"], servers["e5m2"]
     prompt = batch[0]
     before = metrics(d.url)
-    tokens, _, _ = disaggregated(p, d, prompt)
+    tokens, _, _ = fp8_leg(p, d, prompt)
     after = metrics(d.url)
     assert len(tokens) == MAX_TOKENS
     assert delta(before, after, SOURCE, source="external_kv_transfer") == 0

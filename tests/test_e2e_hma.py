@@ -7,9 +7,8 @@ window still needs (null block 0 in place of the others). Prompts of 300 and 457
 15 blocks; the sliding group holds 3 of them. Each layer is copied with its own group's blocks, the sliding
 layers only their in-window blocks.
 
-Four `kv_both` kvbridge servers are started once for the module, a pair's two servers on different cores:
-
-    pp2  pp=2 (core 0)     pp1a pp=1 (core 1)     tp2  tp=2 (core 1)     pp1b pp=1 (core 0)
+The four `kv_both` servers of `e2e_support.FOUR` (pp2, pp1a, tp2, pp1b; a pair's two on different cores) are
+started once for the module.
 
 Each pair checks that the decode server's greedy output equals its own aggregated output, that it counts every
 prompt token as transferred (`external_kv_transfer`) and none as computed, and that it moved exactly the in-window
@@ -25,22 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 
 import pytest
 
+from e2e_support import FOUR, SOURCE, UNCHECKED, Place, delta, layout_servers, prefill_params, prompts
 from kvbridge.core.groups import CacheGroup
-from kvbridge.serving.launcher import (
-    VllmServer,
-    complete,
-    free_base_port,
-    free_port,
-    kvbridge_config,
-    metric_sum,
-    metrics,
-    running,
-)
+from kvbridge.serving.launcher import complete, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_sliding_llama
 
 pytestmark = pytest.mark.vllm
@@ -50,13 +40,6 @@ WINDOW = 64
 BLOCK = 32
 PAGE_BYTES = 4 * BLOCK * 2 * 32 * 4  # one block of one layer: 4 KV heads x 32 tokens x (K 32 + V 32) float32
 SLIDING, FULL = CacheGroup(BLOCK, WINDOW), CacheGroup(BLOCK)
-SERVERS = {
-    # name: (pp, tp, cores of its workers)
-    "pp2": (2, 1, "0|0"),
-    "pp1a": (1, 1, "1"),
-    "tp2": (1, 2, "1|1"),
-    "pp1b": (1, 1, "0"),
-}
 PAIRS = [
     ("pp1a", "pp1b"),  # pp1 -> pp1
     ("pp2", "tp2"),  # pp2 -> tp2
@@ -68,24 +51,8 @@ PAIRS = [
 # a block's first token ((n - WINDOW + 1) % BLOCK == 0): there vLLM's decode-side manager frees that block too.
 PROMPT_LENGTHS = (300, 457)
 MAX_TOKENS = 8
-SOURCE = "vllm:prompt_tokens_by_source_total"
 ARGS = ("--no-enable-prefix-caching",)
-
-
-def server(model, name: str, cores: str, kv_transfer_config: dict | None, root, pp=1, tp=1, extra=(), max_len=1024):
-    return VllmServer(
-        model,
-        port=free_port(),
-        pp=pp,
-        tp=tp,
-        cpu_bind=cores,
-        block_size=BLOCK,
-        max_model_len=max_len,
-        extra_args=(*ARGS, *extra),
-        kv_transfer_config=kv_transfer_config,
-        name=f"hma-{name}",
-        log_path=root / f"{name}.log",
-    )
+SERVER = {"block_size": BLOCK, "max_model_len": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -100,24 +67,13 @@ def model(root):
 
 @pytest.fixture(scope="module")
 def batch():
-    rng = random.Random(20261201)
-    return [[rng.randrange(1, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return prompts(20261201, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")
 def servers(root, model):
-    started = {
-        name: server(
-            model,
-            name,
-            cores,
-            kvbridge_config("kv_both", side_channel_port=free_base_port(pp * tp), lease_s=30.0),
-            root,
-            pp=pp,
-            tp=tp,
-        )
-        for name, (pp, tp, cores) in SERVERS.items()
-    }
+    places = {**FOUR, "pp2": FOUR["pp2"].but(kv=UNCHECKED)}  # pp2: the negative control's prefill
+    started = layout_servers(model, root, places, prefix="hma-", args=ARGS, **SERVER)
     with running(list(started.values())):
         yield started
 
@@ -131,18 +87,7 @@ def aggregated(servers, batch):
     }
 
 
-def delta(before: dict, after: dict, name: str, **labels: str) -> float:
-    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
-
-
-def prefill(p: VllmServer, prompt: list[int]) -> dict:
-    first = complete(p.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=120)
-    params = first["kv_transfer_params"]
-    assert params and params["do_remote_prefill"] is True, first
-    return params
-
-
-def decode(d: VllmServer, prompt: list[int], params: dict) -> list[int]:
+def decode(d, prompt: list[int], params: dict) -> list[int]:
     return complete(d.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)["choices"][0]["token_ids"]
 
 
@@ -158,7 +103,7 @@ def test_hma_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
     p, d = servers[prefill_name], servers[decode_name]
     before = metrics(d.url)
     for prompt, want in zip(batch, aggregated[decode_name], strict=True):
-        params = prefill(p, prompt)
+        params = prefill_params(p, prompt)
         sliding, full = params["remote_group_block_ids"]
         assert params["remote_block_ids"] == []
         # only the in-window blocks of the sliding group are published, every block of the full group
@@ -175,11 +120,12 @@ def test_hma_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
 
 
 def test_hma_negative_control_sliding_blocks_in_the_wrong_order_change_the_output(servers, batch, aggregated):
-    """The oracle can fail: the sliding group's in-window blocks rotated (the claim checks only that the blocks
-    are the request's), so each sliding layer's window holds its tokens at the wrong positions."""
+    """The oracle can fail: the sliding group's in-window blocks rotated, from a prefill server whose claims do not
+    bind the block order (`check_blocks` off; the default refuses such params), so each sliding layer's window
+    holds its tokens at the wrong positions."""
     p, d = servers["pp2"], servers["pp1a"]
     prompt, want = batch[0], aggregated["pp1a"][0]
-    params = prefill(p, prompt)
+    params = prefill_params(p, prompt)
     sliding, full = params["remote_group_block_ids"]
     params["remote_group_block_ids"] = [sliding[1:] + sliding[:1], full]
     before = metrics(d.url)
@@ -192,7 +138,7 @@ def test_hma_params_missing_an_in_window_block_are_refused(servers, batch):
     """A sliding group's list that lacks a block the decode's window needs is refused before any read."""
     p, d = servers["pp1a"], servers["pp1b"]
     prompt = batch[1]
-    params = prefill(p, prompt)
+    params = prefill_params(p, prompt)
     sliding, full = params["remote_group_block_ids"]
     params["remote_group_block_ids"] = [sliding[1:], full]
     before = metrics(d.url)
@@ -216,19 +162,9 @@ def test_hma_kv_memory_against_hma_off(root, model):
     """Two kvbridge servers with the same model, block size and KV memory (1 GiB), HMA on (the default now) and off
     (`--disable-hybrid-kv-cache-manager`), max_model_len 4096 and 512 batched tokens: vLLM's logged capacity
     (its worst case per request: every block of the full group, a window plus a batch for the sliding group)."""
-    mem = {"on": (), "off": ("--disable-hybrid-kv-cache-manager",)}
-    started = {
-        name: server(
-            model,
-            f"mem-{name}",
-            cores,
-            kvbridge_config("kv_both", side_channel_port=free_base_port(1)),
-            root,
-            extra=(*flags, "--max-num-batched-tokens", "512"),
-            max_len=4096,
-        )
-        for (name, flags), cores in zip(mem.items(), ("0", "1"), strict=True)
-    }
+    places = {"on": Place(1, 1, "0"), "off": Place(1, 1, "1", ("--disable-hybrid-kv-cache-manager",))}
+    args = (*ARGS, "--max-num-batched-tokens", "512")
+    started = layout_servers(model, root, places, prefix="hma-mem-", args=args, block_size=BLOCK, max_model_len=4096)
     with running(list(started.values())):
         pass
     got = {name: kv_capacity(s.log_path.read_text(errors="replace")) for name, s in started.items()}

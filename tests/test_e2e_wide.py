@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, metric_sum, metrics, running
+from e2e_support import SOURCE, Place, delta, disaggregated, layout_servers, prompts
+from kvbridge.serving.launcher import complete, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_model
-from test_e2e_vllm import SOURCE, disaggregated, kv_config, prompts, seed_of
+from test_e2e_vllm import seed_of
 
 pytestmark = pytest.mark.vllm
 
@@ -21,27 +22,8 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     root = tmp_path_factory.mktemp("wide")
-    model = build_tiny_model(root / "model")
-    servers = {
-        "pp4": VllmServer(
-            model,
-            port=free_port(),
-            pp=4,
-            cpu_bind="0|0|0|0",
-            name="pp4",
-            log_path=root / "pp4.log",
-            kv_transfer_config=kv_config(free_base_port(4)),
-        ),
-        "tp4": VllmServer(
-            model,
-            port=free_port(),
-            tp=4,
-            cpu_bind="1|1|1|1",
-            name="tp4",
-            log_path=root / "tp4.log",
-            kv_transfer_config=kv_config(free_base_port(4)),
-        ),
-    }
+    places = {"pp4": Place(4, 1, "0|0|0|0"), "tp4": Place(1, 4, "1|1|1|1")}
+    servers = layout_servers(build_tiny_model(root / "model"), root, places)
     with running(list(servers.values()), timeout=900):
         yield servers
 
@@ -53,11 +35,7 @@ def test_pp4_tp4(wide, prefill, decode):
     before = metrics(d.url)
     for prompt in batch:
         t0 = time.monotonic()
-        tokens, _params = disaggregated(p, d, prompt)
+        tokens = disaggregated(p, d, prompt).tokens
         assert tokens == complete(p.url, prompt, 8)["choices"][0]["token_ids"], f"{prefill} -> {decode}"
         print(f"\n{prefill} -> {decode}: {len(prompt)} tokens in {time.monotonic() - t0:.2f} s")
-    after = metrics(d.url)
-    moved = metric_sum(after, SOURCE, source="external_kv_transfer") - metric_sum(
-        before, SOURCE, source="external_kv_transfer"
-    )
-    assert moved == sum(len(x) for x in batch)
+    assert delta(before, metrics(d.url), SOURCE, source="external_kv_transfer") == sum(len(x) for x in batch)

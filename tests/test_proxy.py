@@ -349,7 +349,7 @@ def backend(proxy: Proxy, kind: str, index: int = 0) -> Backend:
     return proxy.balancer.backends(kind)[index]
 
 
-def wait_for(condition: Any, timeout: float = 5.0) -> None:
+def wait_for(condition: Any, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"

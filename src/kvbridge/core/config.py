@@ -93,6 +93,11 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Decode side: load only kv_transfer_params computed for this request's prompt (token count and hash).
     Off only for tests that show what the check prevents: a decode may then load another prompt's KV."""
 
+    check_blocks: bool = True
+    """Prefill side: grant a claim only if it names the request's block list in the order its params published it
+    (a digest; `core.leases`): params whose blocks were reordered, repeated or replaced are refused, with or
+    without a deployment key. Off only for tests that show what loading wrong blocks does to the output."""
+
     nixl_prepared_lists: bool | None = None
     """Decode side: post READs through NIXL descriptor lists prepared once per prefill worker (`prep_xfer_dlist`,
     then `make_prepped_xfer` with a request's indices) instead of building each request's descriptors. Off until

@@ -155,6 +155,15 @@ def tag(group: int, ids: Sequence[int]) -> list[int]:
     return [base | int(b) for b in ids]
 
 
+def published_blocks(block_ids: Sequence[int], group_lists: Sequence[Sequence[int]] = ()) -> tuple[int, ...]:
+    """The blocks a prefill holds for a request, in the order its params publish them: the one group's list, or
+    each group's list group-tagged, group by group. Both sides derive it from the params (a claim names its
+    `core.leases.blocks_digest`)."""
+    if group_lists:
+        return tuple(b for g, ids in enumerate(group_lists) for b in tag(g, ids))
+    return tuple(int(b) for b in block_ids)
+
+
 def untag(tagged: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(groups, block ids) of an int64 array of group-tagged ids."""
     tagged = np.asarray(tagged, dtype=np.int64)

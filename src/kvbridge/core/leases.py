@@ -11,15 +11,20 @@ A claim pins the request for one reading engine: from then on the lease never fr
 notifications, an abort or the read deadline (the reader's own transfer timeout plus a margin, extended by each
 claim of that engine's workers) do. Every claim, notification and abort must carry the request's secret token
 (from the signed kv_transfer_params), so nobody else can free or pin a request; a claim must also name the
-prompt hash and only blocks of the request. Notifications may arrive before the hold (without claims): a few are
-kept, briefly, and checked against the token once the hold comes.
+prompt hash, only blocks of the request, and the digest of the request's whole block list in the order its
+params published it (`blocks_digest`): params whose blocks were reordered, repeated or replaced would load KV into
+the wrong positions, also without a deployment key to sign them. Notifications may arrive before the hold (without
+claims): a few are kept, briefly, and checked against the token once the hold comes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import sys
+from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 READ_MARGIN_S = 5.0
@@ -33,11 +38,20 @@ MAX_EARLY = 1024
 """Notifications kept for holds that have not arrived yet (bounded: an unheld id costs a dict entry)."""
 
 
+def blocks_digest(blocks: Sequence[int]) -> str:
+    """32 hex digits naming a block list and its order: SHA-256 of the ids as little-endian int64."""
+    data = array("q", blocks)  # 8 bytes on every platform CPython supports
+    if sys.byteorder == "big":  # pragma: no cover
+        data.byteswap()
+    return hashlib.sha256(data.tobytes()).hexdigest()[:32]
+
+
 @dataclass
 class _Entry:
     token: str
     prompt_hash: str
     blocks: frozenset[int]
+    order: str  # blocks_digest of the blocks as published
     expiry: float
     reader: str | None = None  # the decode engine that claimed it
     read_until: float | None = None
@@ -60,6 +74,7 @@ def _same(a: str, b: str) -> bool:
 class LeaseBook:
     lease_s: float
     early_ttl_s: float = 10.0
+    check_blocks: bool = True  # False only in tests that show what wrong blocks do (config `check_blocks`)
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _early: OrderedDict[str, _Early] = field(default_factory=OrderedDict)
     _aborted: set[str] = field(default_factory=set)
@@ -74,9 +89,10 @@ class LeaseBook:
         now: float,
         token: str = "",
         prompt_hash: str = "",
-        blocks: Iterable[int] = (),
+        blocks: Sequence[int] = (),
     ) -> None:
-        entry = _Entry(token, prompt_hash, frozenset(blocks), now + self.lease_s)
+        """Hold `request_id`'s `blocks`, in the order its params publish them."""
+        entry = _Entry(token, prompt_hash, frozenset(blocks), blocks_digest(blocks), now + self.lease_s)
         self._entries[request_id] = entry
         early = self._early.pop(request_id, None)
         for note_token, engine, worker, expected in early.notes if early else ():
@@ -91,14 +107,17 @@ class LeaseBook:
         reader: str,
         read_s: float,
         now: float,
+        order: str = "",
     ) -> str | None:
         """Pin `request_id` for `reader` (a decode engine) for `read_s` more seconds; None if granted, else why not
-        (one word: not_held, mismatch, other_reader). A refusal says nothing of a request to one without its token."""
+        (one word: not_held, mismatch, other_reader). `order`: the `blocks_digest` of the block list the reader's
+        params publish. A refusal says nothing of a request to one without its token."""
         entry = self._entries.get(request_id)
         if entry is None or not _same(entry.token, token) or self._lapsed(entry, now):
             self.refused_total += 1
             return "not_held"
-        if entry.prompt_hash != prompt_hash or not entry.blocks.issuperset(blocks):
+        ordered = _same(entry.order, order) or not self.check_blocks
+        if entry.prompt_hash != prompt_hash or not entry.blocks.issuperset(blocks) or not ordered:
             self.refused_total += 1
             return "mismatch"
         if entry.reader is not None and entry.reader != reader:

@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import KVBridgeError, RequestParamsError, TransferError, TransferTimeout
+from kvbridge.core.groups import published_blocks
 from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.leases import blocks_digest
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.ipc_reads import IpcReads
@@ -302,6 +304,7 @@ class DecodeWorker:
             token=source.remote_token,
             prompt_hash=source.remote_prompt_hash,
             read_timeout_s=max(0.0, load.deadline - time.monotonic()),
+            blocks_digest=blocks_digest(published_blocks(source.remote_block_ids, source.remote_group_block_ids)),
         )
         window = min(load.deadline, time.monotonic() + CLAIM_WINDOW_S)
         pending = list(load.read_ranks)

@@ -61,7 +61,7 @@ class PrefillWorker:
         self.transport = NixlTransport(identity.agent_name, transport_config(config, mem_type))
         self.key = key
         self.epoch = secrets.token_hex(8)
-        self._leases = LeaseBook(config.lease_s)  # under _lock
+        self._leases = LeaseBook(config.lease_s, check_blocks=config.check_blocks)  # under _lock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when a lease may have ended (under _lock)
         self._finished: set[str] = set()
@@ -127,6 +127,7 @@ class PrefillWorker:
                         message.engine_id,
                         message.read_timeout_s or self.config.transfer_timeout_s,
                         now,
+                        message.blocks_digest,
                     )
                 if refused:
                     return wire.ErrorReply(message=f"claim refused: {refused}")

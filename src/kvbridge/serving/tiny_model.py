@@ -118,6 +118,45 @@ def _spec(**kwargs: object) -> dict[str, object]:
     return {"stamp_version": _STAMP_VERSION, **kwargs}
 
 
+def _decoder_keywords(
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    num_layers: int,
+    num_heads: int,
+    max_positions: int,
+    init_std: float,
+    dtype: str,
+) -> dict[str, object]:
+    """What every tiny decoder's transformers config takes alike: sizes, no tied embeddings, no special tokens
+    (prompts are token ids)."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "max_position_embeddings": max_positions,
+        "initializer_range": init_std,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": dtype,
+    }
+
+
+def _build(out_dir: str | Path, spec: dict[str, object], overwrite: bool, make) -> Path:
+    """The steps every builder shares: a model already built with `spec` is reused; otherwise `make(out)` saves
+    one and the stamp is written last (a half-written directory is never taken for a built one)."""
+    out = Path(out_dir)
+    if overwrite or not _is_built(out, spec):
+        make(out)
+        (out / STAMP).write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
+    return out
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -162,34 +201,25 @@ def build_tiny_model(
     )
     if tokenizer:  # only then: the stamps (and so the cached models) of token-id callers stay as they were
         spec["tokenizer"] = _TOKENIZER_VERSION
-    out = Path(out_dir)
-    if not overwrite and _is_built(out, spec):
-        return out
-
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_positions,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+    common = _decoder_keywords(
+        vocab=vocab,
+        hidden=hidden,
+        intermediate=intermediate,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        max_positions=max_positions,
+        init_std=init_std,
         dtype=dtype,
     )
-    _save(Qwen2ForCausalLM, config, getattr(torch, dtype), seed, out)
-    if tokenizer:
-        write_tokenizer(out, vocab, max_positions)
-    (out / STAMP).write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")  # last: the model is complete
-    return out
+
+    def make(out: Path) -> None:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        _save(Qwen2ForCausalLM, Qwen2Config(**common, num_key_value_heads=num_kv_heads, head_dim=head_dim), seed, out)
+        if tokenizer:
+            write_tokenizer(out, vocab, max_positions)
+
+    return _build(out_dir, spec, overwrite, make)
 
 
 def _is_built(out: Path, spec: dict[str, object]) -> bool:
@@ -203,14 +233,14 @@ def _is_built(out: Path, spec: dict[str, object]) -> bool:
         return False
 
 
-def _save(model_class, config, torch_dtype, seed: int, out: Path) -> None:
-    """Build `model_class(config)` with weights seeded by `seed` and save it to `out`, removing the stamp first
-    (the caller writes it last, so a half-written directory is never taken for a built one)."""
+def _save(model_class, config, seed: int, out: Path) -> None:
+    """Build `model_class(config)` in the config's dtype with weights seeded by `seed` and save it to `out`,
+    removing the stamp first (`_build` writes it last)."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config).to(torch_dtype).eval()
+        model = model_class(config).to(getattr(torch, str(config.dtype).removeprefix("torch."))).eval()
     out.mkdir(parents=True, exist_ok=True)
     (out / STAMP).unlink(missing_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -271,42 +301,38 @@ def build_tiny_deepseek_v2(
         seed=seed,
         dtype=dtype,
     )
-    out = Path(out_dir)
-    if not overwrite and _is_built(out, spec):
-        return out
-
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    config = DeepseekV2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        moe_intermediate_size=intermediate // 4,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        kv_lora_rank=MLA_KV_LORA_RANK,
-        qk_rope_head_dim=MLA_ROPE_DIM,
-        qk_nope_head_dim=nope_dim,
-        v_head_dim=v_dim,
-        q_lora_rank=None,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=num_layers,
-        moe_layer_freq=1,
-        max_position_embeddings=max_positions,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+    common = _decoder_keywords(
+        vocab=vocab,
+        hidden=hidden,
+        intermediate=intermediate,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        max_positions=max_positions,
+        init_std=init_std,
         dtype=dtype,
     )
-    _save(DeepseekV2ForCausalLM, config, getattr(torch, dtype), seed, out)
-    (out / STAMP).write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
-    return out
+
+    def make(out: Path) -> None:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(
+            **common,
+            moe_intermediate_size=intermediate // 4,
+            num_key_value_heads=num_heads,
+            kv_lora_rank=MLA_KV_LORA_RANK,
+            qk_rope_head_dim=MLA_ROPE_DIM,
+            qk_nope_head_dim=nope_dim,
+            v_head_dim=v_dim,
+            q_lora_rank=None,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=num_layers,
+            moe_layer_freq=1,
+        )
+        _save(DeepseekV2ForCausalLM, config, seed, out)
+
+    return _build(out_dir, spec, overwrite, make)
 
 
 def build_tiny_sliding_llama(
@@ -347,37 +373,29 @@ def build_tiny_sliding_llama(
         seed=seed,
         dtype=dtype,
     )
-    out = Path(out_dir)
-    if not overwrite and _is_built(out, spec):
-        return out
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_positions,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+    common = _decoder_keywords(
+        vocab=vocab,
+        hidden=hidden,
+        intermediate=intermediate,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        max_positions=max_positions,
+        init_std=init_std,
         dtype=dtype,
     )
-    config.layer_types = layer_types  # vLLM's Llama reads it per layer (kept by LlamaConfig in transformers 5)
-    config.sliding_window = sliding_window
-    _save(LlamaForCausalLM, config, getattr(torch, dtype), seed, out)
-    saved = json.loads((out / "config.json").read_text())
-    if saved.get("layer_types") != layer_types or saved.get("sliding_window") != sliding_window:
-        raise ValueError("the saved config.json lost layer_types or sliding_window")
-    (out / STAMP).write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
-    return out
+
+    def make(out: Path) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**common, num_key_value_heads=num_kv_heads, head_dim=head_dim)
+        config.layer_types = layer_types  # vLLM's Llama reads it per layer (kept by LlamaConfig in transformers 5)
+        config.sliding_window = sliding_window
+        _save(LlamaForCausalLM, config, seed, out)
+        saved = json.loads((out / "config.json").read_text())
+        if saved.get("layer_types") != layer_types or saved.get("sliding_window") != sliding_window:
+            raise ValueError("the saved config.json lost layer_types or sliding_window")
+
+    return _build(out_dir, spec, overwrite, make)
 
 
 def build_tiny_nemotron_h(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import ParamsRefused, RequestParamsError
-from kvbridge.core.groups import check_remote_lists, load_pairs, prefill_lists, tag, tagged_lists
+from kvbridge.core.groups import check_remote_lists, load_pairs, prefill_lists, published_blocks, tagged_lists
 from kvbridge.core.token_runs import span_of
 from kvbridge.runtime.decode_worker import LoadJob
 from kvbridge.vllm.metadata import KVBridgeMetadata
@@ -273,15 +273,14 @@ class SchedulerSide:
         if not block_ids or prompt is None or request.num_computed_tokens < len(prompt):
             return False, None  # nothing held, or no token ids to bind the KV to (prompt embeddings)
         group_lists: list[list[int]] = []
-        held = tuple(block_ids)
         if all_groups is not None:
             try:
                 group_lists = prefill_lists(self.groups, all_groups, len(prompt))
             except RequestParamsError as exc:
                 logger.warning("kvbridge: request %s: its KV is not published: %s", request.request_id, exc)
                 return False, None
-            held = tuple(b for g, ids in enumerate(group_lists) for b in tag(g, ids))  # as decode workers claim
             block_ids = []
+        held = published_blocks(block_ids, group_lists)  # as decode workers claim them, in this order
         done = PrefillDone(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,

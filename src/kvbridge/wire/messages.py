@@ -414,6 +414,7 @@ class Claim(_Message, tag="claim", kw_only=True):
     token: Secret = ""
     prompt_hash: Secret = ""
     read_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    blocks_digest: Secret = ""  # of the request's whole block list, in the order its params publish it
 
 
 class Abort(_Message, tag="abort", kw_only=True):

@@ -1,0 +1,152 @@
+"""What the end-to-end modules share: the four-server layout, prompts, the disaggregated leg, metric deltas, the
+TTFT report. Each module keeps its own model, block size and oracles.
+
+The layout: four `kv_both` kvbridge servers started once per module, so every pair reuses them, a pair's prefill
+and decode servers on different cores (while a prefill server holds a request's blocks vLLM steps it continuously
+and its workers spin; on a 2-core machine a decode server sharing the core would starve):
+
+    pp2  pp=2 (core 0)     pp1a pp=1 (core 1)     tp2  tp=2 (core 1)     pp1b pp=1 (core 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbridge.serving.launcher import (
+    VllmServer,
+    complete,
+    complete_streaming,
+    free_base_port,
+    free_port,
+    kvbridge_config,
+    metric_sum,
+)
+
+SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+@dataclass(frozen=True)
+class Place:
+    """One server of a layout: its parallel sizes, the cores of its workers, extra vLLM arguments and extra
+    connector config."""
+
+    pp: int
+    tp: int
+    cores: str
+    args: tuple[str, ...] = field(default=())
+    kv: Mapping[str, Any] = field(default_factory=dict)
+
+    def but(self, **changes: Any) -> Place:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def layout(self) -> str:
+        return f"pp={self.pp},tp={self.tp}"
+
+
+FOUR = {"pp2": Place(2, 1, "0|0"), "pp1a": Place(1, 1, "1"), "tp2": Place(1, 2, "1|1"), "pp1b": Place(1, 1, "0")}
+UNCHECKED = {"check_blocks": False}
+"""For a negative control's prefill server: its claims do not bind the block order, so edited params can load
+wrong blocks (which the check refuses otherwise, also without a deployment key)."""
+
+
+def layout_servers(
+    model: Path,
+    root: Path,
+    places: Mapping[str, Place] = FOUR,
+    prefix: str = "",
+    args: tuple[str, ...] = (),
+    kv: Mapping[str, Any] | None = None,
+    **server: Any,
+) -> dict[str, VllmServer]:
+    """One `kv_both` kvbridge server per place (not started: pass them to `running`). `args` go to every server
+    before its place's own; `kv` adds to each connector config (lease 30 s unless given), the place's own `kv` after
+    it; `server` goes to VllmServer."""
+    extra = {"lease_s": 30.0, **(kv or {})}
+    return {
+        name: VllmServer(
+            model,
+            port=free_port(),
+            pp=p.pp,
+            tp=p.tp,
+            cpu_bind=p.cores,
+            extra_args=(*args, *p.args),
+            kv_transfer_config=kvbridge_config(
+                "kv_both", side_channel_port=free_base_port(p.pp * p.tp), **{**extra, **p.kv}
+            ),
+            name=f"{prefix}{name}",
+            log_path=root / f"{name}.log",
+            **server,
+        )
+        for name, p in places.items()
+    }
+
+
+def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1000) for _ in range(n)] for n in lengths]
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
+def prefill_params(prefill: VllmServer, prompt: list[int], timeout: float = 120) -> dict:
+    """The prefill leg: the prompt prefilled for a remote decode; returns its kv_transfer_params."""
+    first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
+    params = first["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] is True, first
+    return params
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One disaggregated request: the decode's greedy tokens, the params it was given, its time to first token
+    (prefill leg + decode leg to its first token)."""
+
+    tokens: list[int]
+    params: dict
+    ttft_s: float
+
+
+def disaggregated(
+    prefill: VllmServer,
+    decode: VllmServer,
+    prompt: list[int],
+    max_tokens: int = 8,
+    edit: Callable[[dict], dict] | None = None,
+) -> Leg:
+    """Prefill on one server, decode (streaming) on the other; `edit` changes the params in between."""
+    t0 = time.monotonic()
+    params = prefill_params(prefill, prompt)
+    prefill_s = time.monotonic() - t0
+    if edit is not None:
+        params = edit(params)
+    tokens, first_s = complete_streaming(decode.url, prompt, max_tokens, kv_transfer_params=params, timeout=120)
+    return Leg(tokens, params, prefill_s + first_s)
+
+
+def write_ttft_report(rows: list[dict], **meta: Any) -> None:
+    """With KVBRIDGE_TTFT_OUT=path, the pairs' TTFT rows are written there as JSON with the command and host."""
+    path = os.environ.get("KVBRIDGE_TTFT_OUT")
+    if not path or not rows:
+        return
+    report = {
+        "command": f"KVBRIDGE_TTFT_OUT={path} " + " ".join(["python", "-m", "pytest", *sys.argv[1:]]),
+        "host": f"{platform.machine()}, {os.cpu_count()} cores",
+        **meta,
+        "pairs": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
