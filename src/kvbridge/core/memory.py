@@ -36,6 +36,15 @@ NAMED_LAYOUTS: dict[str, str] = {
 }
 
 
+PAGE_ROWS = ""
+"""A page format (`LayerKV.page_format`): the strides are the truth (token n of plane p is a row of `row_bytes` at
+`p * plane_stride + n * token_stride`)."""
+
+PAGE_CPU_ATTN = "cpu_attn"
+"""vLLM's CPU_ATTN pages (ISAs vec, vec16): each (block, head) page holds K channel-major, then V token-major
+(`core.token_runs`), not the rows its tensor's shape suggests; copied whole unless the block sizes differ."""
+
+
 @dataclass(frozen=True)
 class Region:
     """One registered allocation: NIXL registers it once, descriptors point inside it."""
@@ -67,15 +76,26 @@ class LayerKV:
     group: int = 0
     """The layer's KV-cache group (vLLM's hybrid KV-cache manager): its blocks are named by that group's block
     ids. Layers of different groups may alias the same bytes (`core.groups`)."""
+    page_format: str = PAGE_ROWS
+    """Where a page keeps each token (`core.token_runs`): PAGE_ROWS, PAGE_CPU_ATTN, or any other name for pages
+    only ever copied whole (then the two sides' block sizes must be equal)."""
+    itemsize: int = 1
+    """Bytes of one channel (element): what a channel-major page is addressed in."""
 
     def __post_init__(self) -> None:
         if self.group < 0:
             raise LayoutError(f"layer {self.layer}: group must be non-negative, got {self.group}")
         if self.num_planes not in (1, 2):
             raise LayoutError(f"layer {self.layer}: num_planes must be 1 or 2, got {self.num_planes}")
-        for name in ("num_blocks", "num_heads", "block_size", "row_bytes"):
+        for name in ("num_blocks", "num_heads", "block_size", "row_bytes", "itemsize"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"layer {self.layer}: {name} must be positive")
+        if self.row_bytes % self.itemsize:
+            raise LayoutError(f"layer {self.layer}: row_bytes {self.row_bytes} is not a multiple of {self.itemsize}")
+        if self.page_format == PAGE_CPU_ATTN and not (
+            self.num_planes == 1 and self.token_stride == self.row_bytes and self.row_bytes % (2 * self.itemsize) == 0
+        ):
+            raise LayoutError(f"layer {self.layer}: a {PAGE_CPU_ATTN} page is one plane of K|V token rows")
 
     def extent(self) -> tuple[int, int]:
         """[first byte, end) spanned by this layer (strides are non-negative)."""

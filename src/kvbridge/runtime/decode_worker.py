@@ -361,7 +361,7 @@ class DecodeWorker:
         if time.monotonic() > load.deadline:
             self._fail(load, f"not started after {load.deadline - load.queued:.3g} s (its deadline)")
             return
-        if engine.kernels is not None:
+        if engine.kernels is not None and load.job.span is None:  # the gather kernels copy block pairs
             self.ipc.launch(load)
         else:
             self.nixl.post(load, self._notify_message(load.job))

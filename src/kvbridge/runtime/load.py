@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.core.token_runs import TokenSpan
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.peers import Engine
 from kvbridge.transport.nixl import Transfer
@@ -20,7 +21,9 @@ from kvbridge.wire.params import PrefillDone
 class LoadJob:
     """Read `remote_blocks` of a prefill request into `local_blocks`. `report` False: only tell the prefill side
     to free (the request is gone here, e.g. aborted before it was scheduled). `refused`: fail at once, reading
-    nothing (the scheduler refused the params under kv_load_failure_policy=fail)."""
+    nothing (the scheduler refused the params under kv_load_failure_policy=fail). `span`: the prefill's blocks
+    hold `remote_block_size` tokens, not the decode's block size: the span's tokens are copied (`core.token_runs`)
+    rather than block pairs."""
 
     request_id: str
     source: PrefillDone | None
@@ -28,6 +31,8 @@ class LoadJob:
     remote_blocks: tuple[int, ...]
     report: bool = True
     refused: str = ""
+    span: TokenSpan | None = None
+    remote_block_size: int = 0
 
 
 @dataclass

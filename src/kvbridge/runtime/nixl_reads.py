@@ -32,11 +32,12 @@ from kvbridge.core.descriptors import (
     prefer_prepared,
     worker_descriptors,
 )
-from kvbridge.core.errors import IncompatiblePeerError, KVBridgeError, TransferError
+from kvbridge.core.errors import IncompatiblePeerError, KVBridgeError, RequestParamsError, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import MAX_READ_S
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.segments import Segments, worker_segments
+from kvbridge.core.token_runs import worker_token_descriptors
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.peers import Engine, PeerBook
@@ -357,6 +358,17 @@ class NixlReads:
         src_blocks = np.asarray(job.remote_blocks, dtype=np.int64)
         dst_blocks = np.asarray(job.local_blocks, dtype=np.int64)
         sources = {rank: peer.memory for rank, peer in engine.peers.items()}
+        if job.span is not None:  # different block sizes: the span's tokens, never prepared lists
+            for rank, memory in sources.items():
+                if memory.layers[0].block_size != job.remote_block_size:
+                    raise RequestParamsError(
+                        f"remote_block_size {job.remote_block_size}, prefill worker {rank} has blocks of "
+                        f"{memory.layers[0].block_size} tokens"
+                    )
+            descs = worker_token_descriptors(
+                engine.plan, self.identity.rank, self.memory, sources, src_blocks, dst_blocks, job.span
+            )
+            return {rank: d for rank, d in descs.items() if len(d)}
         if not self.transport.config.prepared_lists:
             descs = worker_descriptors(engine.plan, self.identity.rank, self.memory, sources, src_blocks, dst_blocks)
             return {rank: d for rank, d in descs.items() if len(d)}

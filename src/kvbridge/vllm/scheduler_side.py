@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import ParamsRefused, RequestParamsError
 from kvbridge.core.groups import check_remote_lists, load_pairs, prefill_lists, published_blocks, tagged_lists
+from kvbridge.core.token_runs import span_of
 from kvbridge.runtime.decode_worker import LoadJob
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
@@ -132,7 +133,12 @@ class SchedulerSide:
         seen = self._seen.get((source.remote_engine_id, source.remote_request_id))
         if seen is not None and seen[0] != request.request_id:
             raise ParamsRefused("replayed", f"kv_transfer_params of {source.remote_request_id} were used already")
+        remote_size = source.remote_block_size or self.block_size
         if self.groups or source.remote_group_block_ids:
+            if remote_size != self.block_size:
+                raise ParamsRefused(
+                    "blocks", f"remote_block_size {remote_size} differs from {self.block_size} with KV-cache groups"
+                )
             if not self.groups:
                 raise ParamsRefused("blocks", "remote_group_block_ids: several KV-cache groups, this engine has one")
             try:
@@ -140,7 +146,7 @@ class SchedulerSide:
             except RequestParamsError as exc:
                 raise ParamsRefused("blocks", str(exc)) from None
             return
-        needed = -(-len(request.prompt_token_ids or ()) // self.block_size)
+        needed = -(-len(request.prompt_token_ids or ()) // remote_size)
         if not needed <= len(source.remote_block_ids) <= needed + 1:
             raise ParamsRefused(
                 "blocks", f"remote_block_ids has {len(source.remote_block_ids)} blocks, the prompt needs {needed}"
@@ -189,6 +195,14 @@ class SchedulerSide:
             return
         block_ids = blocks.get_block_ids()[0]
         prompt = len(request.prompt_token_ids or ())
+        remote_size = source.remote_block_size or self.block_size
+        if remote_size != self.block_size:  # the prompt's tokens from the first uncached one, not block pairs
+            src, dst, span = span_of(prompt, prompt - num_external_tokens, remote_size, self.block_size)
+            local, remote = tuple(block_ids[dst.start : dst.stop]), tuple(source.remote_block_ids[src.start : src.stop])
+            self._meta.loads.append(
+                LoadJob(request.request_id, source, local, remote, span=span, remote_block_size=remote_size)
+            )
+            return
         first = (prompt - num_external_tokens) // self.block_size  # blocks already cached here
         last = -(-prompt // self.block_size)
         local = tuple(block_ids[first:last])
@@ -277,6 +291,7 @@ class SchedulerSide:
             remote_dp_rank=self.dp_rank,
             remote_layout=str(self.layout),
             remote_num_tokens=len(prompt),
+            remote_block_size=self.block_size,
             tp_size=self.layout.tp,
             pp_size=self.layout.pp,
             remote_prompt_hash=prompt_hash(prompt, kv_extras(request)),

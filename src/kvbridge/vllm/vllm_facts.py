@@ -170,6 +170,32 @@ def kv_quantization(vllm_config: VllmConfig) -> dict:
     return found
 
 
+CPU_ATTN_ISAS = ("vec", "vec16")
+"""vLLM CPU_ATTN kernel variants whose pages `core.token_runs.PAGE_CPU_ATTN` describes (checked against vLLM's
+`cpu_attn_reshape_and_cache` in tests/test_token_runs.py; amx, neon and the others are not)."""
+
+
+def page_format(vllm_config: VllmConfig) -> str:
+    """The KV pages' format (`core.token_runs`): PAGE_CPU_ATTN when every attention layer runs vLLM's CPU_ATTN
+    backend with a checked kernel variant on an unquantized cache, else PAGE_ROWS (pages copied whole: equal
+    block sizes only)."""
+    from kvbridge.core.memory import PAGE_CPU_ATTN, PAGE_ROWS
+
+    if str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto") != "auto":
+        return PAGE_ROWS
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    layers = [layer for layer in context.values() if isinstance(layer, AttentionLayerBase)]
+    kinds = set()
+    for layer in layers:
+        backend = getattr(layer, "attn_backend", None)
+        kinds.add((backend.get_name() if backend is not None else "", getattr(layer, "isa", None)))
+    if layers and all(name == "CPU_ATTN" and isa in CPU_ATTN_ISAS for name, isa in kinds):
+        return PAGE_CPU_ATTN
+    return PAGE_ROWS
+
+
 def geometry(
     vllm_config: VllmConfig, dtype: str, block_size: int, kv_cache_config: KVCacheConfig | None = None
 ) -> KVGeometry:

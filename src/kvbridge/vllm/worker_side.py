@@ -20,7 +20,7 @@ from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.transport.torch_memory import memory_from_tensors, physical_order, region_tensors
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
-from kvbridge.vllm.vllm_facts import engine_layout, geometry, worker_rank
+from kvbridge.vllm.vllm_facts import engine_layout, geometry, page_format, worker_rank
 from kvbridge.wire.auth import load_key
 
 if TYPE_CHECKING:
@@ -88,6 +88,12 @@ def grouped_memory(kv_caches: dict, kv_cache_config, layer_index) -> WorkerMemor
     return WorkerMemory(tuple(regions), tuple(sorted(layers, key=lambda lk: lk.layer)), num_groups=len(groups))
 
 
+def with_page_format(memory: WorkerMemory, page_format: str, itemsize: int) -> WorkerMemory:
+    """`memory` with every layer's page format and element size (`core.token_runs`)."""
+    layers = tuple(dataclasses.replace(lk, page_format=page_format, itemsize=itemsize) for lk in memory.layers)
+    return WorkerMemory(memory.regions, layers, num_groups=memory.num_groups)
+
+
 class WorkerSide:
     def __init__(self, vllm_config: VllmConfig, config: BridgeConfig, kv_cache_config=None) -> None:
         kv = vllm_config.kv_transfer_config
@@ -107,6 +113,7 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         memory = grouped_memory(kv_caches, self.kv_cache_config, extract_layer_index)
+        memory = with_page_format(memory, page_format(self.vllm_config), next(iter(kv_caches.values())).element_size())
         if memory.num_groups > 1 and prepared_lists(self.config):
             raise ConfigError(
                 "kvbridge: NIXL prepared descriptor lists (nixl_prepared_lists / KVBRIDGE_NIXL_PREPARED_LISTS) are "
@@ -134,13 +141,15 @@ class WorkerSide:
         )
         mem_type = "VRAM" if first.is_cuda else "DRAM"
         logger.info(
-            "kvbridge worker %s: %d layers %s, %d blocks, %d KV-cache groups, %s, regions %s",
+            "kvbridge worker %s: %d layers %s, %d blocks of %d tokens, %d KV-cache groups, %s, pages %r, regions %s",
             identity,
             len(memory.layers),
             memory.layer_ids(),
             memory.num_blocks,
+            memory.layers[0].block_size,
             memory.num_groups,
             identity.kv_layout,
+            memory.layers[0].page_format,
             [(hex(r.addr), r.nbytes, r.device_id) for r in memory.regions],
         )
         regions = region_tensors(kv_caches, memory)

@@ -31,6 +31,7 @@ import msgspec
 from kvbridge.core import memory as mem
 from kvbridge.core import topology
 from kvbridge.core.errors import IncompatiblePeerError, LayoutError, ProtocolError
+from kvbridge.core.token_runs import VERIFIED_FORMATS
 
 PROTOCOL_VERSION = 2
 """Bumped only for a change an older peer cannot read correctly (see the module docstring).
@@ -164,6 +165,8 @@ class Layer(_Struct, kw_only=True):
     plane_stride: NonNegative = 0
     num_planes: Planes = 1
     group: Annotated[int, msgspec.Meta(ge=0, lt=64)] = 0  # its KV-cache group (core.groups); 0 from older peers
+    page_format: str = ""  # where a page keeps each token (core.token_runs); "" from older peers
+    itemsize: Positive = 1
 
     @classmethod
     def from_core(cls, lk: mem.LayerKV) -> Layer:
@@ -248,6 +251,9 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
     row_bytes: Positive
     num_planes: Planes = 1
     target: Worker | None = None
+    token_layout: str = ""
+    """The decode worker's page format (`core.token_runs`): with different block sizes both sides' must be one
+    whose tokens can be addressed."""
 
     def __post_init__(self) -> None:
         _check_worker(self)
@@ -275,11 +281,15 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
             row_bytes=row_bytes,
             num_planes=num_planes,
             target=None if target is None else Worker.from_core(*target),
+            token_layout=_token_format(memory.layers),
         )
 
     def page_format(self) -> tuple[int, int]:
         """(num_planes, row_bytes)."""
         return self.num_planes, self.row_bytes
+
+    def token_format(self) -> str:
+        return self.token_layout
 
 
 class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
@@ -348,6 +358,10 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     def page_format(self) -> tuple[int, int]:
         """(num_planes, row_bytes), shared by every layer."""
         return _page_format(self.memory.layers)
+
+    def token_format(self) -> str:
+        """Where the pages keep each token (`core.token_runs`), shared by every layer."""
+        return _token_format(self.memory.layers)
 
 
 class HandshakeRefused(_Message, tag="handshake_refused", kw_only=True):
@@ -480,7 +494,21 @@ def peer_version(data: bytes | bytearray | memoryview) -> int | None:
 
 Peer = HandshakeRequest | HandshakeReply
 
-_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "kernel")
+_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_size", "dtype", "kernel")
+
+
+def _block_size_mismatch(ours: Peer, theirs: Peer) -> tuple[str, object, object] | None:
+    """(field, ours, theirs) when the block sizes differ and the tokens cannot be copied one by one: pages of a
+    format not checked against its backend's kernel (`core.token_runs.VERIFIED_FORMATS`; "" from older peers and
+    backends kvbridge has not checked: pages copied whole), formats that differ, a quantized cache (its in-page
+    layout is not checked). None when the block sizes are equal or can differ."""
+    mine, other = ours.geometry.block_size, theirs.geometry.block_size
+    if mine == other:
+        return None
+    formats = (ours.token_format(), theirs.token_format())
+    if formats[0] != formats[1] or formats[0] not in VERIFIED_FORMATS or ours.geometry.kernel or theirs.geometry.kernel:
+        return "block_size", mine, other
+    return None
 
 
 def _scale_mismatch(ours: Geometry, theirs: Geometry) -> tuple[str, object, object] | None:
@@ -500,9 +528,10 @@ def _scale_mismatch(ours: Geometry, theirs: Geometry) -> tuple[str, object, obje
 def check_compatible(ours: Peer, theirs: Peer) -> None:
     """Raise IncompatiblePeerError for the first field on which the peers' KV caches disagree.
 
-    Compared, in order: protocol_version, the geometry (num_layers, num_kv_heads, head_size, dtype,
-    block_size, kernel; then a quantized cache's k_scale and v_scale on the layers both hold), and the page
-    format (num_planes, row_bytes). The physical layout names (`kv_layout`) may differ: descriptors are computed
+    Compared, in order: protocol_version, the geometry (num_layers, num_kv_heads, head_size, dtype, kernel;
+    then a quantized cache's k_scale and v_scale on the layers both hold), block_size (which may differ where both
+    sides' pages keep tokens addressable: `core.token_runs`), and the page format (num_planes, row_bytes).
+    The physical layout names (`kv_layout`) may differ: descriptors are computed
     from strides. Then each side's own handshake must agree with itself (ProtocolError otherwise): its layout must
     fit the geometry and hold its worker, and a reply's memory must hold every layer of its stage with the KV
     heads of its TP rank.
@@ -516,6 +545,9 @@ def check_compatible(ours: Peer, theirs: Peer) -> None:
     scales = _scale_mismatch(ours.geometry, theirs.geometry)
     if scales is not None:
         raise IncompatiblePeerError(*scales)
+    blocks = _block_size_mismatch(ours, theirs)
+    if blocks is not None:
+        raise IncompatiblePeerError(*blocks)
     pages = zip(("num_planes", "row_bytes"), ours.page_format(), theirs.page_format(), strict=True)
     for field, mine, other in pages:
         if mine != other:
@@ -571,6 +603,13 @@ def _page_format(layers: tuple[Layer, ...]) -> tuple[int, int]:
     formats = {(layer.num_planes, layer.row_bytes) for layer in layers}
     if len(formats) != 1:
         raise LayoutError(f"layers must share one (num_planes, row_bytes) page format, got {sorted(formats)}")
+    return formats.pop()
+
+
+def _token_format(layers) -> str:
+    formats = {layer.page_format for layer in layers}
+    if len(formats) != 1:
+        raise LayoutError(f"layers must share one page_format, got {sorted(formats)}")
     return formats.pop()
 
 

@@ -20,6 +20,7 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
     remote_dp_rank      the prefill engine's DP rank (kvbridge)
     remote_layout       the prefill layout, e.g. "pp=2,tp=1" (kvbridge)
     remote_num_tokens   prompt tokens whose KV the prefill computed
+    remote_block_size   tokens per prefill block (kvbridge): may differ from the decode's (`core.token_runs`)
     tp_size, pp_size    the prefill layout as NixlConnector reports it
     kvbridge_protocol   kvbridge's wire protocol version (kvbridge)
     remote_prompt_hash  hash of the prompt's token ids and of everything else that shapes its KV (`prompt_hash`,
@@ -84,6 +85,8 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     remote_expires: float = 0.0
     kvbridge_sig: str = ""
     remote_group_block_ids: list[list[BlockId]] = []
+    remote_block_size: NonNegative = 0
+    """Tokens per prefill block (kvbridge); 0 from older prefill instances: the decode's own."""
 
     @property
     def layout(self) -> ParallelLayout:
