@@ -46,7 +46,7 @@ from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.nixl_reads import NixlReads, ReadBudget, block_bytes
-from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key
+from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key, identity
 from kvbridge.transport.nixl import Backoff, MemType
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
@@ -310,7 +310,9 @@ class DecodeWorker:
         pending = list(load.read_ranks)
         backoff = Backoff(first_s=5e-3, cap_s=50e-3)
         while pending:
-            answers = self._client().exchange_all([address(source, r) for r in pending], claim)
+            answers = self._client().exchange_all(
+                [address(source, r) for r in pending], claim, [identity(source, r) for r in pending]
+            )
             refused = []
             for rank, answer in zip(pending, answers, strict=True):
                 if isinstance(answer, Exception):
@@ -469,7 +471,9 @@ class DecodeWorker:
                 if self.peers.is_dead(job.source):  # its lease frees the blocks; a dead peer would hold us up
                     continue
                 try:
-                    answers = client.exchange_all([address(job.source, r) for r in ranks], message)
+                    answers = client.exchange_all(
+                        [address(job.source, r) for r in ranks], message, [identity(job.source, r) for r in ranks]
+                    )
                 except Exception as exc:  # never lose the thread over a notification
                     answers = [exc] * len(ranks)
                 for rank, answer in zip(ranks, answers, strict=True):
