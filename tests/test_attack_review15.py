@@ -220,3 +220,47 @@ def test_an_old_format_sealed_frame_is_dropped_and_counted():
         assert isinstance(wire.decode(answer), wire.HandshakeReply)
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("trust", [True, False])
+def test_idle_connections_from_a_key_holders_own_address_do_not_cut_it(trust, monkeypatch):
+    """a11 (MEDIUM-HIGH): 128 idle unauthenticated connections from the legit peer's own address locked it out
+    (the bound per address cut every new connection, the peer's too). Now the oldest connection that never sent an
+    authenticated frame is cut: with a bound of 8 per address, a key holder's open connection survives 12 idle ones
+    from its address, a fresh keyed exchange is answered, and the oldest idle ones are the ones cut (5 cuts: 13
+    connections, 8 kept). Negative control (trust=False: authenticated frames are not noted): the key holder's
+    connection, the oldest, is cut (fds are reused, so the oracle is the count: its reconnection costs a 6th cut)."""
+    from kvbridge.wire.side_channel import SideChannelClient, SideChannelServer, exchange
+
+    if not trust:
+        monkeypatch.setattr("kvbridge.wire.side_channel.ConnectionBound.authenticated", lambda self, fd: None)
+    server = SideChannelServer(
+        0, lambda m: wire.Ack(request_id="ok"), "127.0.0.1", max_connections_per_address=8, sealer=Sealer(KEY)
+    )
+    server.start()
+    client = SideChannelClient(timeout_s=2.0, retries=0, sealer=Sealer(KEY))
+    idle: list[socket.socket] = []
+    try:
+        assert client.exchange_all([("127.0.0.1", server.port)], wire.Ack()) == [wire.Ack(request_id="ok")]
+        (legit_fd,) = server.connections._address
+        for _ in range(12):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+            time.sleep(0.03)
+        time.sleep(0.3)
+        if not trust:  # the key holder's connection was cut, and its DEALER reconnected: a 6th cut at least
+            deadline = time.monotonic() + 3.0
+            while server.connections.cut < 6 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert server.connections.cut >= 6
+            return
+        assert server.connections.cut == 5
+        assert legit_fd in server.connections._address
+        assert client.exchange_all([("127.0.0.1", server.port)], wire.Ack()) == [wire.Ack(request_id="ok")]
+        fresh = exchange("127.0.0.1", server.port, wire.Ack(), timeout_s=2.0, retries=0, sealer=Sealer(KEY))
+        assert fresh == wire.Ack(request_id="ok")
+        assert legit_fd in server.connections._address
+    finally:
+        client.close()
+        for sock in idle:
+            sock.close()
+        server.close()

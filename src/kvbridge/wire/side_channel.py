@@ -302,12 +302,15 @@ class SideChannelServer:
                 # Drain what is queued, bounded so that a flood cannot delay a stop for long.
                 for _ in range(64):
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    frames = [f.bytes for f in raw]
                     answer = _answer_frames(frames, self.handler, self.sealer, self.destination)
                     if answer is None:
                         continue
+                    if self.sealer is not None:  # an authenticated peer: its connection is cut last
+                        self.connections.authenticated(_source_fd(raw[-1]))
                     try:
                         sock.send_multipart(answer, zmq.NOBLOCK)
                     except zmq.Again:  # the peer's queue is full or it left: drop the answer
@@ -332,12 +335,22 @@ class SideChannelServer:
                 self.connections.closed(fd)
 
 
+def _source_fd(frame: zmq.Frame) -> int:
+    """The fd of the connection `frame` came on (libzmq's SRCFD), or -1."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return -1
+
+
 class ConnectionBound:
     """A server's open connections by fd and source address; `accepted` says which to cut (pure bookkeeping).
 
-    Beyond `per_address` from one address the new one is cut; beyond `limit` in all, the newest connection of the
-    address holding the most is cut, so one flooding address (idle connections that never send a frame) cannot
-    lock other peers out. A cut connection stops counting at once (its close is reported later)."""
+    Beyond `per_address` from one address, beyond `limit` in all from the address holding the most, one
+    connection of that address is cut: the oldest that never sent an authenticated frame (`authenticated`), or,
+    if all did, the new one. So idle connections that never send a frame lock out neither other addresses nor
+    the key holders of their own (a decode on the host of a flooding process: review a11). A cut connection stops
+    counting at once (its close is reported later)."""
 
     def __init__(self, limit: int, per_address: int) -> None:
         self.limit = limit
@@ -346,6 +359,7 @@ class ConnectionBound:
         self._address: dict[int, str] = {}  # fd -> source address
         self._fds: dict[str, list[int]] = {}  # source address -> its fds, oldest first
         self._cutting: set[int] = set()  # cut, close not yet reported
+        self._trusted: set[int] = set()  # open fds that sent an authenticated frame
 
     @property
     def open(self) -> int:
@@ -355,22 +369,35 @@ class ConnectionBound:
         self._cutting.discard(fd)
         self._address[fd] = address
         self._fds.setdefault(address, []).append(fd)
+        self._trusted.discard(fd)  # a new connection on a reused fd
         if len(self._fds[address]) > self.per_address:
             return self._cut(
-                fd, f"{len(self._fds[address])} from {address}, the bound per address is {self.per_address}"
+                self._victim(address),
+                f"{len(self._fds[address])} from {address}, the bound per address is {self.per_address}",
             )
         if len(self._address) > self.limit:
             heaviest = max(self._fds, key=lambda a: len(self._fds[a]))
-            return self._cut(self._fds[heaviest][-1], f"{len(self._address)} open, the bound is {self.limit}")
+            return self._cut(self._victim(heaviest), f"{len(self._address)} open, the bound is {self.limit}")
         return []
 
+    def authenticated(self, fd: int) -> None:
+        """The connection on `fd` sent an authenticated frame."""
+        if fd in self._address:
+            self._trusted.add(fd)
+
+    def _victim(self, address: str) -> int:
+        fds = self._fds[address]
+        return next((f for f in fds if f not in self._trusted), fds[-1])
+
     def closed(self, fd: int) -> None:
+        self._trusted.discard(fd)
         if fd in self._cutting:
             self._cutting.discard(fd)
         elif (address := self._address.pop(fd, None)) is not None:
             self._forget(fd, address)
 
     def _cut(self, fd: int, why: str) -> list[int]:
+        self._trusted.discard(fd)
         self._forget(fd, self._address.pop(fd))
         self._cutting.add(fd)
         self.cut += 1
