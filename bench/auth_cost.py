@@ -61,7 +61,7 @@ def main() -> int:
             for name, w in workers.items():  # interleaved: the same machine state for both
                 sealer = Sealer(KEY) if name == "on" else None
                 t0 = time.perf_counter()
-                reply = exchange("127.0.0.1", w.port, request, timeout_s=5, sealer=sealer)
+                reply = exchange("127.0.0.1", w.port, request, timeout_s=5, sealer=sealer, identity=("p", 0, 0, 0))
                 times[f"handshake/{name}"].append(time.perf_counter() - t0)
                 assert isinstance(reply, wire.HandshakeReply), reply
                 claim = wire.Claim(
@@ -69,7 +69,7 @@ def main() -> int:
                     token="tok", prompt_hash="h", read_timeout_s=10,
                 )  # fmt: skip
                 t0 = time.perf_counter()
-                (answer,) = clients[name].exchange_all([("127.0.0.1", w.port)], claim)
+                (answer,) = clients[name].exchange_all([("127.0.0.1", w.port)], claim, [("p", 0, 0, 0)])
                 times[f"claim/{name}"].append(time.perf_counter() - t0)
                 assert isinstance(answer, wire.Ack), answer
     finally:

@@ -30,6 +30,7 @@ from kvbridge.wire.side_channel import MAX_ANSWER_BYTES, exchange
 pytestmark = pytest.mark.nixl
 
 KEY = b"p" * 32
+P = ("p", 0, 0, 0)  # the keyed prefill worker's identity, which sealed requests are bound to
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
 
 # Runs in a process of its own (UCX reads its environment once per process): a keyed PrefillWorker with the
@@ -177,7 +178,7 @@ def test_a_claim_without_the_token_does_not_tell_held_ids_from_unknown_ones(keye
             prompt_hash="h",
             blocks_digest=blocks_digest((1, 2, 3)),
         )
-        return exchange("127.0.0.1", keyed_worker.port, message, timeout_s=5.0, retries=0, sealer=sealer)
+        return exchange("127.0.0.1", keyed_worker.port, message, timeout_s=5.0, retries=0, sealer=sealer, identity=P)
 
     answers = {claim("held", (1,), "x" * 32), claim("unknown", (1,), "x" * 32), claim("held", (7, 8), "x" * 32)}
     assert len(answers) == 1, answers
@@ -188,11 +189,12 @@ def test_a_handshake_answered_by_another_engine_is_refused(keyed_worker):
     """Review §4.2 (probe D4/D5): the engine cache was keyed by engine id alone and the reply's engine id never
     compared, so a fake side channel could stand in for a real engine. Now a reply must come from the engine the
     params name, and engines are cached by (engine id, host, port, DP rank). Params naming engine 'victim' at
-    the address of engine 'p' are refused naming the field; the control: the same address under its own id
-    connects."""
+    the address of engine 'p' are refused; since issue 15 (a9) before any answer: the sealed request is bound to
+    engine 'victim', so 'p' drops it as misaddressed (a key-holding impostor that ignored the binding would still
+    fail the engine-id check); the control: the same address under its own id connects."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvbridge.core.errors import IncompatiblePeerError
+    from kvbridge.core.errors import TransferTimeout
     from kvbridge.runtime.peers import PeerBook
     from kvbridge.wire.params import PrefillDone
 
@@ -201,7 +203,12 @@ def test_a_handshake_answered_by_another_engine_is_refused(keyed_worker):
     loaded: list[str] = []
     with ThreadPoolExecutor(2) as pool:
         book = PeerBook(
-            identity, memory, BridgeConfig(), pool, lambda meta, name: loaded.append(name) or name, Sealer(KEY)
+            identity,
+            memory,
+            BridgeConfig(handshake_timeout_s=1.0, handshake_retries=0),
+            pool,
+            lambda meta, name: loaded.append(name) or name,
+            Sealer(KEY),
         )
 
         def source(engine_id: str) -> PrefillDone:
@@ -214,9 +221,11 @@ def test_a_handshake_answered_by_another_engine_is_refused(keyed_worker):
                 remote_layout="pp=1,tp=1",
             )
 
-        with pytest.raises(IncompatiblePeerError) as err:
+        misaddressed = keyed_worker._server.sealer.dropped["misaddressed"]
+        with pytest.raises(TransferTimeout):
             book.connect(source("victim")).result(timeout=20)
-        assert err.value.field == "engine_id" and loaded == [], "no NIXL metadata may be loaded from an impostor"
+        assert loaded == [], "no NIXL metadata may be loaded from an impostor"
+        assert keyed_worker._server.sealer.dropped["misaddressed"] == misaddressed + 1
         engine = book.connect(source("p")).result(timeout=20)
         assert engine.key == ("p", "127.0.0.1", keyed_worker.port, 0) and loaded == ["kvbridge-p-dp0-pp0-tp0"]
 

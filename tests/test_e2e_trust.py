@@ -266,12 +266,15 @@ def handshake_request() -> wire.HandshakeRequest:
 
 def test_the_side_channel_answers_no_one_without_the_key(servers):
     """An outsider asking for the handshake (NIXL metadata, the memory map) gets no answer at all, with no key or
-    a wrong one; the same request sealed with the deployment key is answered (the control)."""
+    a wrong one, nor a key holder's request addressed to another worker on this port (issue 15, a9); the same
+    request sealed with the deployment key for this worker is answered (the control)."""
     port = servers["port"]
-    for sealer in (None, Sealer(b"w" * 32)):
+    params = prefill_params(servers, prompt(22))
+    me = (params["remote_engine_id"], params["remote_dp_rank"], 0, 0)
+    for sealer, identity in ((None, me), (Sealer(b"w" * 32), me), (Sealer(KEY), ("another-engine", 0, 0, 0))):
         with pytest.raises(TransferTimeout):
-            exchange("127.0.0.1", port, handshake_request(), timeout_s=1.0, retries=0, sealer=sealer)
-    answer = exchange("127.0.0.1", port, handshake_request(), timeout_s=5.0, retries=1, sealer=Sealer(KEY))
+            exchange("127.0.0.1", port, handshake_request(), timeout_s=1.0, retries=0, sealer=sealer, identity=identity)
+    answer = exchange("127.0.0.1", port, handshake_request(), timeout_s=5.0, retries=1, sealer=Sealer(KEY), identity=me)
     assert isinstance(answer, wire.HandshakeReply | wire.HandshakeRefused)
 
 
@@ -283,11 +286,12 @@ def test_an_insider_without_the_token_frees_nothing(servers):
     params = prefill_params(servers, a)
     done = PrefillDone(**{k: v for k, v in params.items() if k in PrefillDone.__struct_fields__})
     sealer = Sealer(KEY)
+    me = (done.remote_engine_id, done.remote_dp_rank, 0, 0)
     for message in (
         wire.Notify(request_id=done.remote_request_id, engine_id="x", worker=wire.Worker(), expected=1),
         wire.Abort(request_id=done.remote_request_id, engine_id="x", worker=wire.Worker(), token="guess"),
     ):
-        answer = exchange("127.0.0.1", servers["port"], message, timeout_s=5.0, sealer=sealer)
+        answer = exchange("127.0.0.1", servers["port"], message, timeout_s=5.0, sealer=sealer, identity=me)
         assert answer == wire.ErrorReply(message="refused")
     assert tokens_of(decode.url, a, params) == tokens_of(prefill.url, a)
     # the control: the token frees an unread request at once (not after the 20 s lease)
@@ -297,7 +301,9 @@ def test_an_insider_without_the_token_frees_nothing(servers):
     abort = wire.Abort(
         request_id=pb["remote_request_id"], engine_id="x", worker=wire.Worker(), token=pb["remote_token"]
     )
-    assert isinstance(exchange("127.0.0.1", servers["port"], abort, timeout_s=5.0, sealer=sealer), wire.Ack)
+    assert isinstance(
+        exchange("127.0.0.1", servers["port"], abort, timeout_s=5.0, sealer=sealer, identity=me), wire.Ack
+    )
     deadline = time.monotonic() + 5
     while prefill.kv_usage() > baseline and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -36,7 +36,7 @@ def memory_of(buffer: torch.Tensor):
 
 @pytest.fixture
 def workers(request):
-    threads = getattr(request, "param", 8)
+    threads, handshake_threads = getattr(request, "param", (8, None))
     config = BridgeConfig(side_channel_port=free_base_port(1), handshake_timeout_s=1.0, handshake_retries=2)
     layout = ParallelLayout()
     prefill_kv = torch.randn(1 << 14)
@@ -49,6 +49,7 @@ def workers(request):
         memory_of(decode_kv),
         config,
         control_threads=threads,
+        handshake_threads=handshake_threads,
     ).start()
     silent = zmq.Context.instance().socket(zmq.ROUTER)
     silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
@@ -106,7 +107,7 @@ def latencies(workers) -> tuple[list[float], list[float]]:
     return alone, [healthy_load(prefill, decode, config, 100 + i) for i in range(10)]
 
 
-@pytest.mark.parametrize("workers", [1], indirect=True)
+@pytest.mark.parametrize("workers", [(1, 0)], indirect=True)
 def test_negative_control_with_one_control_thread_the_silent_engine_does_delay_them(workers):
     """The oracle can tell: with the handshake and the claims on one thread (as the old transfer thread did
     them), the first healthy load waits for the silent engine's handshake to time out."""
@@ -209,3 +210,31 @@ def test_a_slow_loads_log_says_where_its_time_went():
     assert load.phases(25.0) == "handshake 15.00 s (not done)"
     load.connected, load.claimed, load.posted = 10.5, 10.6, 10.6
     assert load.phases(12.0) == "handshake 0.50 s, claim 0.10 s, queue 0.00 s, read 1.40 s"
+
+
+def many_silent_then_healthy(workers, engines: int = 20) -> float:
+    """Review a5[2]: loads to `engines` silent engines (each its own engine id: its own handshake, 3 x 1 s), then one
+    load from the healthy engine, already connected: seconds to its report."""
+    prefill, decode, config, silent_port = workers
+    OTHERS.clear()
+    healthy_load(prefill, decode, config, -1)  # connected and cached
+    for i in range(engines):
+        decode.load(LoadJob(f"decode-silent-{i}", source(f"silent-{i}", silent_port, f"s{i}"), (5, 6), (1, 2)))
+    time.sleep(0.05)
+    return healthy_load(prefill, decode, config, 0)
+
+
+def test_handshakes_to_many_silent_engines_do_not_hold_the_claims_of_a_connected_one(workers):
+    """Issue 15, a5[2] (MEDIUM): 20 silent engines' handshakes filled the 8 control threads, so a load from a
+    connected healthy engine failed 'not started after 10 s'. Handshakes now have their own pool (4 threads here):
+    the healthy load is reported at once."""
+    took = many_silent_then_healthy(workers)
+    print(f"healthy load beside 20 silent engines' handshakes: {1000 * took:.1f} ms")
+    assert took < 0.5
+
+
+@pytest.mark.parametrize("workers", [(8, 0)], indirect=True)
+def test_negative_control_handshakes_on_the_control_pool_do_hold_them(workers):
+    """The oracle can tell: with the handshakes on the 8 control threads (before), the same load waits for the
+    first 8 silent handshakes to time out (3 s)."""
+    assert many_silent_then_healthy(workers) > 1.0

@@ -24,12 +24,13 @@ from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
-from kvbridge.wire.auth import Sealer
+from kvbridge.wire.auth import Sealer, destination
 from kvbridge.wire.side_channel import exchange
 
 pytestmark = pytest.mark.nixl
 
 KEY = b"s" * 32
+P = ("p", 0, 0, 0)  # the keyed prefill worker's identity, which sealed requests are bound to
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
 
 
@@ -99,7 +100,7 @@ def _flood(port: int) -> None:
 def test_a_flood_of_unauthenticated_and_oversized_frames_is_dropped_without_memory_growth(keyed):
     """Bounded: 400 frames of 200 KB and 20 of 2 MiB from 8 connections of another process, while a keyed
     peer's handshakes are answered throughout."""
-    exchange("127.0.0.1", keyed.port, handshake(), timeout_s=5, sealer=Sealer(KEY))  # warm
+    exchange("127.0.0.1", keyed.port, handshake(), timeout_s=5, sealer=Sealer(KEY), identity=P)  # warm
     before = rss_mb()
     stop = threading.Event()
     answered: list[float] = []
@@ -107,7 +108,7 @@ def test_a_flood_of_unauthenticated_and_oversized_frames_is_dropped_without_memo
     def legit() -> None:
         while not stop.is_set():
             t0 = time.monotonic()
-            reply = exchange("127.0.0.1", keyed.port, handshake(), timeout_s=5, sealer=Sealer(KEY))
+            reply = exchange("127.0.0.1", keyed.port, handshake(), timeout_s=5, sealer=Sealer(KEY), identity=P)
             assert isinstance(reply, wire.HandshakeReply)
             answered.append(time.monotonic() - t0)
             time.sleep(0.05)
@@ -137,7 +138,7 @@ def test_a_flood_of_notifications_for_unknown_requests_stays_bounded(keyed):
     try:
         for i in range(MAX_EARLY + 500):
             note = wire.Notify(request_id=f"never-{i}", engine_id="x", worker=wire.Worker(), expected=1, token="t")
-            client.exchange_all([("127.0.0.1", keyed.port)], note)
+            client.exchange_all([("127.0.0.1", keyed.port)], note, [P])
     finally:
         client.close()
     with keyed._lock:
@@ -153,7 +154,7 @@ def test_a_replayed_claim_is_not_answered(keyed):
     claim = wire.Claim(
         request_id="r", block_ids=(1,), engine_id="d", worker=wire.Worker(), token="tok", prompt_hash="h"
     )
-    frame, _ = sealer.seal_request(wire.encode(claim), keyed.port)
+    frame, _ = sealer.seal_request(wire.encode(claim), destination(keyed.port, *P))
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{keyed.port}")

@@ -593,8 +593,9 @@ def _held_open(sock: socket.socket, seconds: float) -> bool:
 @pytest.mark.parametrize("limit", [4, sc.MAX_CONNECTIONS])
 def test_connections_beyond_the_bound_are_cut(limit: int) -> None:
     """A connection flood cannot pin more than `max_connections` x queued frames: connections beyond the bound
-    are cut as they are accepted; those within it are kept, and once the flood leaves, peers are served again.
-    Negative control: under the default bound the same 10 connections are all kept."""
+    are cut as they are accepted (the oldest that never sent an authenticated frame first, so the last 4 stay),
+    and once the flood leaves, peers are served again. Negative control: under the default bound the same 10
+    connections are all kept."""
     reply = prefill_reply(0, WorkerRank(0, 0))
     server = sc.SideChannelServer(0, sc.handshake_handler(reply, lambda m: wire.Ack()), HOST, max_connections=limit)
     server.start()
@@ -602,10 +603,10 @@ def test_connections_beyond_the_bound_are_cut(limit: int) -> None:
     try:
         for _ in range(10):
             flood.append(socket.create_connection((HOST, server.port), timeout=DEADLINE_S))
-            time.sleep(0.02)  # accepted in order: the first `limit` are the ones kept
+            time.sleep(0.02)  # accepted in order: the last `limit` are the ones kept
         kept = [_held_open(sock, 0.3) for sock in flood]
         if limit == 4:
-            assert kept == [True] * 4 + [False] * 6, kept
+            assert kept == [False] * 6 + [True] * 4, kept
             assert server.connections.cut == 6
         else:
             assert all(kept) and server.connections.cut == 0
@@ -625,13 +626,36 @@ def test_connections_beyond_the_bound_are_cut(limit: int) -> None:
 def test_the_connection_bound_cuts_from_the_address_holding_the_most() -> None:
     bound = sc.ConnectionBound(limit=4, per_address=3)
     assert [bound.accepted(fd, "a") for fd in (10, 11, 12)] == [[], [], []]
-    assert bound.accepted(13, "a") == [13]  # a 4th from one address: over its bound
+    assert bound.accepted(13, "a") == [10]  # a 4th from one address: over its bound, its oldest goes
     assert bound.accepted(14, "b") == []
-    assert bound.accepted(15, "c") == [12]  # 5 open > 4: the newest of the address holding the most
-    bound.closed(12)  # the cut one's close, reported later: already not counted
+    assert bound.accepted(15, "c") == [11]  # 5 open > 4: the oldest of the address holding the most
+    bound.closed(11)  # the cut one's close, reported later: already not counted
     assert bound.open == 4 and bound.cut == 2
-    bound.closed(10)
+    bound.closed(12)
     assert bound.accepted(16, "d") == [] and bound.open == 5 - 1
-    for fd in (11, 14, 15, 16, 13):
+    for fd in (10, 14, 15, 16, 13):
         bound.closed(fd)
     assert bound.open == 0
+
+
+def test_the_connection_bound_cuts_authenticated_connections_last() -> None:
+    """Review a11: idle unauthenticated connections from a key holder's own address. The oldest connection that
+    never sent an authenticated frame is cut, never a key holder's while another is left; when all are
+    authenticated the new one is cut. Negative control: without `authenticated` the key holder's oldest goes."""
+    for trust in (True, False):
+        bound = sc.ConnectionBound(limit=100, per_address=3)
+        assert bound.accepted(10, "a") == []  # the key holder
+        if trust:
+            bound.authenticated(10)
+        assert [bound.accepted(fd, "a") for fd in (11, 12)] == [[], []]  # idle ones
+        assert bound.accepted(13, "a") == ([11] if trust else [10])
+        assert bound.accepted(14, "a") == ([12] if trust else [11])
+    bound = sc.ConnectionBound(limit=100, per_address=2)
+    for fd in (1, 2):
+        bound.accepted(fd, "a")
+        bound.authenticated(fd)
+    assert bound.accepted(3, "a") == [3]
+    bound.authenticated(99)  # an fd that is not open is not remembered
+    bound.accepted(99, "b")
+    bound.accepted(100, "b")
+    assert bound.accepted(101, "b") == [99]

@@ -230,7 +230,12 @@ def _geometry(**changes: object) -> KVGeometry:
 @pytest.mark.parametrize(
     ("request_", "field", "ours", "theirs"),
     [
-        (msgspec.structs.replace(make_request(), protocol_version=3), "protocol_version", 2, 3),
+        (
+            msgspec.structs.replace(make_request(), protocol_version=wire.PROTOCOL_VERSION + 1),
+            "protocol_version",
+            wire.PROTOCOL_VERSION,
+            wire.PROTOCOL_VERSION + 1,
+        ),
         (make_request(geometry=_geometry(num_layers=16)), "num_layers", 8, 16),
         (make_request(geometry=_geometry(num_kv_heads=8)), "num_kv_heads", 4, 8),
         (make_request(geometry=_geometry(head_size=128)), "head_size", 64, 128),

@@ -124,7 +124,7 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         (callers warn once). ConfigError if it would listen beyond loopback without a key."""
         if has_key:
             return True
-        if _is_loopback(self.side_channel_host):
+        if is_loopback(self.side_channel_host):
             return False
         raise ConfigError(
             f"kv_connector_extra_config: side_channel_host {self.side_channel_host!r} is not a loopback address "
@@ -139,7 +139,7 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

@@ -56,7 +56,7 @@ class RequestParamsError(KVBridgeError, ValueError):
 
 class ParamsRefused(RequestParamsError):
     """kv_transfer_params that must not be loaded for this request; `reason` is the metric label
-    (bad_signature, unsigned, expired, replayed, prompt_length, prompt_hash, layout, blocks, malformed)."""
+    (bad_signature, unsigned, expired, replayed, prompt_length, prompt_hash, layout, blocks, address, malformed)."""
 
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason

@@ -11,9 +11,11 @@ workers, which free the blocks at once. Every load has a deadline from the momen
 `DecodeWorker` runs that order; each read path is an object of its own that reports back to it:
 `nixl_reads.NixlReads` (READs across hosts, and the fallback) and `ipc_reads.IpcReads` (gather kernels over CUDA
 IPC on one host). Threads, so that nothing slow stands in front of a transfer:
-- control threads (a small pool): handshakes (`peers.PeerBook`: one per engine, shared by the jobs waiting for
-  it) and claims (which pin the request on the prefill side for the read). One slow or dead engine holds only
-  its own jobs; a dead one fails the next jobs to it at once for a while.
+- control threads (a small pool): claims (which pin the request on the prefill side for the read), run only
+  once their engine is connected. Handshakes (`peers.PeerBook`: one per engine, shared by the jobs waiting for
+  it) run on a pool of their own, so many slow or silent engines never hold the threads that claim for
+  connected ones. One slow or dead engine holds only its own jobs; a dead one fails the next jobs to it at once
+  for a while.
 - the transfer thread: takes claimed jobs, counts them on their engine and hands each to its path (post its
   READs, or launch its kernels), polls the READs, and reaps engines that left the cache once idle. The engine's
   `results()` calls poll the READs too when NIXL is free.
@@ -46,7 +48,7 @@ from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.nixl_reads import NixlReads, ReadBudget, block_bytes
-from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key
+from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key, identity
 from kvbridge.transport.nixl import Backoff, MemType
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
@@ -98,9 +100,13 @@ class DecodeWorker:
         regions: Sequence[torch.Tensor] = (),
         key: bytes | None = None,
         control_threads: int = 8,
+        handshake_threads: int | None = None,
     ) -> None:
         """`regions`: `memory`'s regions as tensors (`torch_memory.region_tensors`); with GPU memory they enable
-        the CUDA IPC path (config.gpu_peer_copy). `key`: the deployment key (`wire.auth.load_key`)."""
+        the CUDA IPC path (config.gpu_peer_copy). `key`: the deployment key (`wire.auth.load_key`).
+        `handshake_threads`: the handshakes' own pool (None: half the control threads, at least 1), so that
+        handshakes to silent engines never hold the threads that claim for connected ones (review a5); 0: they
+        share the control pool (the old way, kept for the negative control)."""
         self.identity = identity
         self.memory = memory
         self.config = config
@@ -116,9 +122,22 @@ class DecodeWorker:
         self._pool = ThreadPoolExecutor(
             control_threads, thread_name_prefix=f"kvbridge-control-{identity.rank}", initializer=unpin_this_thread
         )
+        if handshake_threads is None:
+            handshake_threads = max(1, control_threads // 2)
+        self._handshakes = (
+            ThreadPoolExecutor(
+                handshake_threads,
+                thread_name_prefix=f"kvbridge-handshake-{identity.rank}",
+                initializer=unpin_this_thread,
+            )
+            if handshake_threads
+            else self._pool
+        )
         self._local = threading.local()  # each control thread's side-channel sockets
         self._clients: list[SideChannelClient] = []
-        self.peers = PeerBook(identity, memory, config, self._pool, self._add_agent, self.sealer, self._ipc_connect)
+        self.peers = PeerBook(
+            identity, memory, config, self._handshakes, self._add_agent, self.sealer, self._ipc_connect
+        )
         self.nixl = NixlReads(
             identity, memory, config, mem_type, self.peers, loaded=self._complete, failed=self._fail, tell=self._tell
         )
@@ -192,6 +211,7 @@ class DecodeWorker:
         return any(e.kernels and e.key[0] == source.remote_engine_id for e in self.peers.all_engines())
 
     def close(self) -> None:
+        self._handshakes.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
         threads = {t.name: t for t in self._threads}
         self._ready.put(None)
@@ -310,7 +330,9 @@ class DecodeWorker:
         pending = list(load.read_ranks)
         backoff = Backoff(first_s=5e-3, cap_s=50e-3)
         while pending:
-            answers = self._client().exchange_all([address(source, r) for r in pending], claim)
+            answers = self._client().exchange_all(
+                [address(source, r) for r in pending], claim, [identity(source, r) for r in pending]
+            )
             refused = []
             for rank, answer in zip(pending, answers, strict=True):
                 if isinstance(answer, Exception):
@@ -469,7 +491,9 @@ class DecodeWorker:
                 if self.peers.is_dead(job.source):  # its lease frees the blocks; a dead peer would hold us up
                     continue
                 try:
-                    answers = client.exchange_all([address(job.source, r) for r in ranks], message)
+                    answers = client.exchange_all(
+                        [address(job.source, r) for r in ranks], message, [identity(job.source, r) for r in ranks]
+                    )
                 except Exception as exc:  # never lose the thread over a notification
                     answers = [exc] * len(ranks)
                 for rank, answer in zip(ranks, answers, strict=True):

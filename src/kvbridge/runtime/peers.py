@@ -31,7 +31,7 @@ from kvbridge.runtime.host import host_id
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
-from kvbridge.wire.side_channel import fetch_handshake, side_channel_port
+from kvbridge.wire.side_channel import Identity, fetch_handshake, side_channel_port
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,11 @@ def engine_key(source: PrefillDone) -> EngineKey:
 def address(source: PrefillDone, rank: WorkerRank) -> tuple[str, int]:
     """(host, port) of the side channel of worker `rank` of the prefill engine that `source` names."""
     return source.remote_host, side_channel_port(source.remote_port, source.layout, source.remote_dp_rank, rank)
+
+
+def identity(source: PrefillDone, rank: WorkerRank) -> Identity:
+    """The identity of worker `rank` of the prefill engine `source` names, which sealed requests are bound to."""
+    return source.remote_engine_id, source.remote_dp_rank, rank.pp, rank.tp
 
 
 @dataclass
@@ -171,6 +176,7 @@ class PeerBook:
                 timeout_s=self.config.handshake_timeout_s,
                 retries=self.config.handshake_retries,
                 sealer=self.sealer,
+                identity=identity(source, rank),
             )
             if reply.engine_id != source.remote_engine_id:
                 raise IncompatiblePeerError("engine_id", source.remote_engine_id, reply.engine_id)

@@ -98,7 +98,11 @@ class PrefillWorker:
         )
         sealer = Sealer(self.key, window_s=self.config.auth_window_s) if self.key else None
         self._server = SideChannelServer(
-            self.port, handshake_handler(reply, self._answer), host=self.config.side_channel_host, sealer=sealer
+            self.port,
+            handshake_handler(reply, self._answer),
+            host=self.config.side_channel_host,
+            sealer=sealer,
+            identity=(ident.engine_id, ident.dp_rank, ident.rank.pp, ident.rank.tp),
         )
         self._server.start()
         self._thread = threading.Thread(target=self._run, name=f"kvbridge-prefill-{ident.rank}", daemon=True)

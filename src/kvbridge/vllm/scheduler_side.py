@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.core.config import BridgeConfig
+from kvbridge.core.config import BridgeConfig, is_loopback
 from kvbridge.core.errors import ParamsRefused, RequestParamsError
 from kvbridge.core.groups import check_remote_lists, load_pairs, prefill_lists, published_blocks, tagged_lists
 from kvbridge.core.token_runs import span_of
@@ -43,6 +43,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_warned_keyless: list[bool] = []
+
+
+def _warn_keyless_consumer() -> None:
+    """Once per process: a decode without a key reads only from loopback prefill instances."""
+    if not _warned_keyless:
+        _warned_keyless.append(True)
+        logger.warning(
+            "kvbridge: this decode instance has no auth key: kv_transfer_params are not verified, so it reads only "
+            "from prefill instances on loopback (set auth_key_file in kv_connector_extra_config for remote ones)"
+        )
+
+
 MAX_SEEN = 65536
 """Params remembered as used (a replay is refused); the oldest are forgotten first, and each after it expires."""
 
@@ -64,6 +77,8 @@ class SchedulerSide:
         self.key = load_key(config.auth_key, config.auth_key_file)
         if self.is_producer:
             config.check_exposure(self.key is not None)  # refuses a non-loopback side channel without a key
+        if self.is_consumer and self.key is None:
+            _warn_keyless_consumer()
         self.fail_refused = getattr(kv, "kv_load_failure_policy", "fail") == "fail"
         self.host = advertised_host(config)
         self._meta = KVBridgeMetadata()
@@ -117,6 +132,12 @@ class SchedulerSide:
     def _check(self, request: Request, source: PrefillDone) -> None:
         """Everything that can be known before a connection: the params are this prompt's, signed, fresh, used
         once, with sane sizes (ParamsRefused otherwise)."""
+        if self.key is None and not is_loopback(source.remote_host):
+            # Unsigned params name any address: a keyless decode would connect where a client says and trust
+            # whatever answers there (another user's KV, SSRF). Only a key lets it trust a remote prefill.
+            raise ParamsRefused(
+                "address", f"remote_host {source.remote_host!r} is not loopback and this decode has no auth key"
+            )
         now = time.time()
         check_binding(
             source,
@@ -160,6 +181,8 @@ class SchedulerSide:
         except RequestParamsError:
             return None
         if self.key is not None and not source.verify(self.key):
+            return None
+        if self.key is None and not is_loopback(source.remote_host):
             return None
         layout = source.layout
         if layout.dp * layout.workers_per_engine > self.config.max_remote_workers:

@@ -38,6 +38,7 @@ def release_prefill(params: Mapping[str, Any], key: bytes | None, timeout_s: flo
             (done.remote_host, side_channel_port(done.remote_port, layout, done.remote_dp_rank, rank))
             for rank in layout.workers()
         ]
+        identities = [(done.remote_engine_id, done.remote_dp_rank, rank.pp, rank.tp) for rank in layout.workers()]
     except (RequestParamsError, ValueError) as exc:
         logger.warning("kvbridge: not releasing a prefill request: %s", exc)
         return 0
@@ -50,7 +51,7 @@ def release_prefill(params: Mapping[str, Any], key: bytes | None, timeout_s: flo
     )
     client = SideChannelClient(timeout_s=timeout_s, retries=0, sealer=Sealer(key) if key else None)
     try:
-        answers = client.exchange_all(targets, message)
+        answers = client.exchange_all(targets, message, identities)
     finally:
         client.close()
     taken = sum(isinstance(a, wire.Ack) for a in answers)

@@ -42,7 +42,7 @@ from kvbridge.core.errors import (
 from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread, zmq_context
-from kvbridge.wire.auth import Sealer
+from kvbridge.wire.auth import Sealer, destination
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,10 @@ MAX_REQUEST_BYTES, so this bounds what a connection flood can pin. A decode work
 control thread (8) to each prefill worker it reads from: 512 serves 64 decode ranks."""
 MAX_CONNECTIONS_PER_ADDRESS = 128
 """Connections one source address keeps open at once (a decode host of 8 GPUs x 8 control threads needs 64)."""
+
+Identity = tuple[str, int, int, int]
+"""A prefill worker's identity a sealed request is bound to: (engine id, dp rank, pp rank, tp rank)."""
+NO_IDENTITY: Identity = ("", 0, 0, 0)
 
 Handler = Callable[[wire.Message], wire.Message]
 """Answers one decoded message; called on the server's thread. May raise: the peer then gets an error."""
@@ -149,7 +153,7 @@ def respond(data: bytes, handler: Handler) -> bytes:
 
 
 def _answer_frames(
-    frames: list[bytes], handler: Handler, sealer: Sealer | None = None, port: int = 0
+    frames: list[bytes], handler: Handler, sealer: Sealer | None = None, dest: bytes | int = 0
 ) -> list[bytes] | None:
     """The frames a ROUTER sends back for received `frames` (identity, [empty delimiter], body); None: send
     nothing (with a key: the frame is not authentic, or a replay; `sealer.dropped` counts why)."""
@@ -157,7 +161,7 @@ def _answer_frames(
     split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
     envelope, body = frames[:split], frames[split:]
     if sealer is not None:
-        opened = sealer.open_request(body[0], port) if len(body) == 1 else None
+        opened = sealer.open_request(body[0], dest) if len(body) == 1 else None
         if opened is None:
             if len(body) != 1:
                 sealer.dropped["unauthenticated"] += 1
@@ -192,8 +196,10 @@ class SideChannelServer:
         max_connections: int = MAX_CONNECTIONS,
         max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
         sealer: Sealer | None = None,
+        identity: Identity = NO_IDENTITY,
     ) -> None:
-        """`sealer`: authenticate every frame with the deployment key (None: frames are bare msgpack)."""
+        """`sealer`: authenticate and encrypt every frame with the deployment key (None: frames are bare msgpack);
+        `identity`: the worker this server is, which every sealed request must be addressed to (with its port)."""
         if max_connections < 1 or max_connections_per_address < 1:
             raise ValueError(
                 f"connection bounds must be at least 1, got {max_connections}, {max_connections_per_address}"
@@ -205,6 +211,7 @@ class SideChannelServer:
         self.max_message_bytes = max_message_bytes
         self.connections = ConnectionBound(max_connections, max_connections_per_address)
         self.sealer = sealer
+        self.identity = identity
         self._socket: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -212,6 +219,11 @@ class SideChannelServer:
     @property
     def endpoint(self) -> str:
         return endpoint(self.host, self.port)
+
+    @property
+    def destination(self) -> bytes:
+        """What a sealed request to this server is bound to (`auth.destination`)."""
+        return destination(self.port, *self.identity)
 
     @property
     def running(self) -> bool:
@@ -290,12 +302,15 @@ class SideChannelServer:
                 # Drain what is queued, bounded so that a flood cannot delay a stop for long.
                 for _ in range(64):
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    answer = _answer_frames(frames, self.handler, self.sealer, self.port)
+                    frames = [f.bytes for f in raw]
+                    answer = _answer_frames(frames, self.handler, self.sealer, self.destination)
                     if answer is None:
                         continue
+                    if self.sealer is not None:  # an authenticated peer: its connection is cut last
+                        self.connections.authenticated(_source_fd(raw[-1]))
                     try:
                         sock.send_multipart(answer, zmq.NOBLOCK)
                     except zmq.Again:  # the peer's queue is full or it left: drop the answer
@@ -320,12 +335,22 @@ class SideChannelServer:
                 self.connections.closed(fd)
 
 
+def _source_fd(frame: zmq.Frame) -> int:
+    """The fd of the connection `frame` came on (libzmq's SRCFD), or -1."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return -1
+
+
 class ConnectionBound:
     """A server's open connections by fd and source address; `accepted` says which to cut (pure bookkeeping).
 
-    Beyond `per_address` from one address the new one is cut; beyond `limit` in all, the newest connection of the
-    address holding the most is cut, so one flooding address (idle connections that never send a frame) cannot
-    lock other peers out. A cut connection stops counting at once (its close is reported later)."""
+    Beyond `per_address` from one address, beyond `limit` in all from the address holding the most, one
+    connection of that address is cut: the oldest that never sent an authenticated frame (`authenticated`), or,
+    if all did, the new one. So idle connections that never send a frame lock out neither other addresses nor
+    the key holders of their own (a decode on the host of a flooding process: review a11). A cut connection stops
+    counting at once (its close is reported later)."""
 
     def __init__(self, limit: int, per_address: int) -> None:
         self.limit = limit
@@ -334,6 +359,7 @@ class ConnectionBound:
         self._address: dict[int, str] = {}  # fd -> source address
         self._fds: dict[str, list[int]] = {}  # source address -> its fds, oldest first
         self._cutting: set[int] = set()  # cut, close not yet reported
+        self._trusted: set[int] = set()  # open fds that sent an authenticated frame
 
     @property
     def open(self) -> int:
@@ -343,22 +369,35 @@ class ConnectionBound:
         self._cutting.discard(fd)
         self._address[fd] = address
         self._fds.setdefault(address, []).append(fd)
+        self._trusted.discard(fd)  # a new connection on a reused fd
         if len(self._fds[address]) > self.per_address:
             return self._cut(
-                fd, f"{len(self._fds[address])} from {address}, the bound per address is {self.per_address}"
+                self._victim(address),
+                f"{len(self._fds[address])} from {address}, the bound per address is {self.per_address}",
             )
         if len(self._address) > self.limit:
             heaviest = max(self._fds, key=lambda a: len(self._fds[a]))
-            return self._cut(self._fds[heaviest][-1], f"{len(self._address)} open, the bound is {self.limit}")
+            return self._cut(self._victim(heaviest), f"{len(self._address)} open, the bound is {self.limit}")
         return []
 
+    def authenticated(self, fd: int) -> None:
+        """The connection on `fd` sent an authenticated frame."""
+        if fd in self._address:
+            self._trusted.add(fd)
+
+    def _victim(self, address: str) -> int:
+        fds = self._fds[address]
+        return next((f for f in fds if f not in self._trusted), fds[-1])
+
     def closed(self, fd: int) -> None:
+        self._trusted.discard(fd)
         if fd in self._cutting:
             self._cutting.discard(fd)
         elif (address := self._address.pop(fd, None)) is not None:
             self._forget(fd, address)
 
     def _cut(self, fd: int, why: str) -> list[int]:
+        self._trusted.discard(fd)
         self._forget(fd, self._address.pop(fd))
         self._cutting.add(fd)
         self.cut += 1
@@ -422,6 +461,7 @@ def exchange(
     timeout_s: float = 2.0,
     retries: int = 2,
     sealer: Sealer | None = None,
+    identity: Identity = NO_IDENTITY,
 ) -> wire.Message:
     """Send `message` to the side channel at (host, port) and return its answer.
 
@@ -429,7 +469,8 @@ def exchange(
     returns or raises within about `(1 + retries) * timeout_s`. Raises TransferTimeout if no attempt is
     answered, ProtocolError for an answer that is not a message (IncompatiblePeerError if it carries another
     protocol version). Messages may be delivered more than once: handlers must be idempotent. With `sealer`
-    each attempt is sealed afresh, and an answer that is not the authentic answer to it is not taken.
+    each attempt is sealed afresh for the worker `identity` names, and an answer that is not the authentic answer
+    to it is not taken.
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -445,7 +486,7 @@ def exchange(
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
         try:
-            frame, nonce = sealer.seal_request(payload, port) if sealer else (payload, b"")
+            frame, nonce = sealer.seal_request(payload, destination(port, *identity)) if sealer else (payload, b"")
             try:
                 sock.send(frame)
             except zmq.Again:
@@ -484,11 +525,21 @@ class SideChannelClient:
         self.max_sockets = max_sockets
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
 
-    def exchange_all(self, targets: list[tuple[str, int]], message: wire.Message) -> list[wire.Message | Exception]:
+    def exchange_all(
+        self,
+        targets: list[tuple[str, int]],
+        message: wire.Message,
+        identities: list[Identity] | None = None,
+    ) -> list[wire.Message | Exception]:
         """Send `message` to every (host, port) and return, in order, each one's answer, or the error that
-        stands for it (TransferTimeout after `1 + retries` attempts of `timeout_s`, ProtocolError...)."""
+        stands for it (TransferTimeout after `1 + retries` attempts of `timeout_s`, ProtocolError...).
+        `identities[i]`: the worker target i is (sealed requests are bound to it); default NO_IDENTITY."""
         payload = wire.encode(message)
         addresses = [endpoint(host, port) for host, port in targets]
+        dests = {
+            endpoint(host, port): destination(port, *(identities[i] if identities else NO_IDENTITY))
+            for i, (host, port) in enumerate(targets)
+        }
         answers: dict[str, wire.Message | Exception] = {}
         timeout_ms = max(1, round(self.timeout_s * 1000))
         started = time.monotonic()
@@ -501,8 +552,8 @@ class SideChannelClient:
             for address in pending:
                 try:
                     sock = self._socket(address, timeout_ms, polling.values())
-                    port = int(address.rsplit(":", 1)[1])
-                    frame, nonces[address] = self.sealer.seal_request(payload, port) if self.sealer else (payload, b"")
+                    sealed = self.sealer.seal_request(payload, dests[address]) if self.sealer else (payload, b"")
+                    frame, nonces[address] = sealed
                     sock.send(frame)
                     polling[sock] = address
                 except zmq.Again:  # its queue is full: a new socket next attempt
@@ -570,12 +621,13 @@ def fetch_handshake(
     timeout_s: float = 2.0,
     retries: int = 2,
     sealer: Sealer | None = None,
+    identity: Identity = NO_IDENTITY,
 ) -> wire.HandshakeReply:
     """The decode side of a handshake: the prefill worker's reply, checked against `request`.
 
     Raises IncompatiblePeerError (refused here or there), TransferTimeout (see `exchange`) or ProtocolError.
     """
-    answer = exchange(host, port, request, timeout_s=timeout_s, retries=retries, sealer=sealer)
+    answer = exchange(host, port, request, timeout_s=timeout_s, retries=retries, sealer=sealer, identity=identity)
     address = endpoint(host, port)
     try:
         match answer:
