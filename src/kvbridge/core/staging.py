@@ -5,7 +5,9 @@ the transport a fixed time whatever its size, so scattered small runs (16-token 
 descriptor-bound. Staged: the prefill worker gathers the request's runs into a registered contiguous buffer, the
 decode worker READs it in large chunks (one descriptor each) into its own registered buffer and scatters them into
 its KV; chunks are pipelined (the prefill gathers chunk k+1 while chunk k is read), so a request costs about the
-slower of the link and the copies, plus one chunk of copying to fill the pipeline and a round trip per chunk.
+link plus the decode's scatter (the same thread READs chunk k+1 after scattering chunk k), plus one chunk of gathering
+to fill the pipeline and a round trip per chunk: it pays where runs are shorter than `desc_s x copy rate` (7.5 KB
+with the fitted host-DRAM constants, ~200 KB over tcp).
 
 The stream order is canonical: segment-major, then the request's block pairs in order (`expand`'s order). Piece
 (k, i) is `length[k]` bytes of run k of block pair i, at stream offset `n * prefix[k] + i * length[k]` (n block
@@ -58,12 +60,14 @@ class StageCostModel:
         return descriptors * self.desc_s + nbytes / self.link_bytes_per_s
 
     def staged_s(self, nbytes: int, chunk_bytes: int) -> float:
+        """The decode side READs a chunk, then scatters it (one thread: serial); the prefill side gathers the next
+        chunk meanwhile (hidden, but for the first); each chunk costs a descriptor and a round trip."""
         if nbytes <= 0:
             return 0.0
         chunks = -(-nbytes // chunk_bytes)
         first = min(chunk_bytes, nbytes)
-        bottleneck = min(self.link_bytes_per_s, self.copy_bytes_per_s)
-        return nbytes / bottleneck + 2 * first / self.copy_bytes_per_s + chunks * (self.desc_s + self.round_trip_s)
+        copies = (nbytes + first) / self.copy_bytes_per_s
+        return nbytes / self.link_bytes_per_s + copies + chunks * (self.desc_s + self.round_trip_s)
 
     def prefers_staged(self, nbytes: int, descriptors: int, chunk_bytes: int) -> bool:
         """Whether staging this part is expected to beat `descriptors` direct descriptors for `nbytes`."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.descriptors import Descriptors
+from kvbridge.core.descriptors import Descriptors, expand
 from kvbridge.core.errors import KVBridgeError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import Region, WorkerMemory
@@ -208,6 +208,10 @@ class StagedReads:
             answer = self._client().exchange_all([target], msg)[0]
             if isinstance(answer, Exception):
                 raise answer
+            if first and isinstance(answer, wire.ErrorReply) and answer.message.endswith("busy"):
+                self.fallbacks += 1  # the prefill worker's slots are taken: read this part directly
+                self._direct(part, note)
+                return
             if not isinstance(answer, wire.Staged):
                 text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
                 raise KVBridgeError(f"prefill worker {part.rank} refused to stage chunk {k}: {text}")
@@ -228,9 +232,13 @@ class StagedReads:
         staging = part.peer.staging
         values = (staging.addr + remote_offset, self.region.addr + local_offset, nbytes, 0, 0)
         descs = Descriptors(*(np.array([v], dtype=np.int64) for v in values))
+        self._poll(part, descs, (self.region,), (staging,), note)
+
+    def _poll(self, part: StagedPart, descs: Descriptors, local, remote, note: bytes) -> None:
+        nbytes = descs.nbytes
         nixl, transport = self.nixl, self.nixl.transport
         with nixl._lock:
-            transfer: Transfer = transport.read(part.peer.agent, descs, (self.region,), (staging,), note)
+            transfer: Transfer = transport.read(part.peer.agent, descs, local, remote, note)
         part.reads += 1
         backoff = Backoff(first_s=20e-6, cap_s=1e-3)
         try:
@@ -243,6 +251,11 @@ class StagedReads:
                 backoff.sleep()
         finally:
             self._release(transfer)
+
+    def _direct(self, part: StagedPart, note: bytes) -> None:
+        """The part read the direct way (coalesced descriptors), polled and released here."""
+        descs = expand(part.segments, part.s_blocks, part.d_blocks).coalesced()
+        self._poll(part, descs, self.memory, part.peer.memory, note)
 
     def _release(self, transfer: Transfer) -> None:
         backoff = Backoff(first_s=1e-3, cap_s=0.1)

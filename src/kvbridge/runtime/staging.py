@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 DEPTH = 2
 """Slots per session: one being read, one being gathered."""
 
+MAX_CHUNKS = 1 << 16
+"""The most chunks one session's part may take (its chunk table is kept while it is read)."""
+
 
 @dataclass(eq=False)
 class _Session:
@@ -63,6 +66,7 @@ class Stager:
         self.buffer: np.ndarray | None = None
         self.region: Region | None = None
         self._views = HostViews(memory.regions)
+        self._kv_bytes = sum(r.nbytes for r in memory.regions)
         self._lock = threading.Lock()  # the free slots and the sessions
         self._free: list[int] = []
         self._sessions: dict[tuple[str, str, str], _Session] = {}
@@ -158,6 +162,10 @@ class Stager:
             layout = StageLayout(length, int(blocks.size), min(msg.chunk_bytes, self.slot_bytes))
         except ValueError:
             return None, "chunk_bytes"
+        # A part reads each byte of this worker's KV at most once: larger means repeated blocks or runs, refused
+        # before its chunk table is built (that table is what a session costs beyond its slots).
+        if layout.nbytes > self._kv_bytes or -(-layout.nbytes // layout.chunk_bytes) > MAX_CHUNKS:
+            return None, "too_large"
         chunks = layout.chunks()
         want = min(DEPTH, len(chunks))
         if len(self._free) < want:

@@ -51,13 +51,27 @@ def gather(
     to back; returns the bytes copied."""
     copied = 0
     top = int(blocks.max()) + 1 if blocks.size else 0
+    torch = _torch()
     for p in pieces:
         n = int(length[p.segment])
         rows = views.rows(int(addr[p.segment]), int(block_stride[p.segment]), n, top)
         dst = out[p.offset : p.offset + (p.stop - p.first) * n].reshape(p.stop - p.first, n)
-        np.take(rows, blocks[p.first : p.stop], axis=0, out=dst)
+        if torch is not None:  # index_select copies rows 2-6x faster than np.take (bench/nixl_staged.py notes)
+            torch.index_select(
+                torch.from_numpy(rows), 0, torch.from_numpy(blocks[p.first : p.stop]), out=torch.from_numpy(dst)
+            )
+        else:
+            np.take(rows, blocks[p.first : p.stop], axis=0, out=dst)
         copied += dst.size
     return copied
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # numpy alone does it, slower
+        return None
+    return torch
 
 
 def scatter(
