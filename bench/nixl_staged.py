@@ -46,7 +46,7 @@ from kvbridge.core.descriptors import Descriptors, block_lists, worker_descripto
 from kvbridge.core.identity import WorkerIdentity  # noqa: E402
 from kvbridge.core.plan import make_plan  # noqa: E402
 from kvbridge.core.segments import worker_segments  # noqa: E402
-from kvbridge.core.staging import StageCostModel  # noqa: E402
+from kvbridge.core.staging import StageCostModel, cost_model  # noqa: E402
 from kvbridge.core.topology import ParallelLayout, WorkerRank  # noqa: E402
 from kvbridge.runtime.load import Load, LoadJob  # noqa: E402
 from kvbridge.runtime.peers import Peer  # noqa: E402
@@ -132,20 +132,27 @@ class _Reads:
 
 
 def copy_rate(args) -> dict:
-    """The host gather rate for the cost model: numpy take of 512 scattered rows of 4/16/64 KiB into one buffer."""
+    """The host gather rate for the cost model: `transport.host_copy.gather` (what the stager runs) of 512 scattered
+    rows of 4/16/64 KiB into one chunk, median of 5."""
+    from kvbridge.core.memory import Region
+    from kvbridge.core.staging import Piece
+    from kvbridge.transport.host_copy import HostViews, gather
+
     rng = np.random.default_rng(0)
     out = {}
     for kib in (4, 16, 64):
-        rows = np.zeros((1024, kib << 10), dtype=np.uint8)
-        rows[:] = 1
-        idx = rng.permutation(1024)[:512]
-        dst = np.empty((512, kib << 10), dtype=np.uint8)
+        n = kib << 10
+        rows = np.ones(1024 * n, dtype=np.uint8)
+        views = HostViews([Region(rows.ctypes.data, rows.nbytes, 0)])
+        blocks = rng.permutation(1024)[:512].astype(np.int64)
+        dst = np.empty(512 * n, dtype=np.uint8)
+        seg = [np.array([v], dtype=np.int64) for v in (rows.ctypes.data, n, n)]
         times = []
-        for _ in range(5):
+        for _ in range(6):
             t0 = time.perf_counter()
-            np.take(rows, idx, axis=0, out=dst)
+            gather(views, *seg, blocks, [Piece(0, 0, 512, 0)], dst)
             times.append(time.perf_counter() - t0)
-        out[f"{kib}KiB"] = dst.nbytes / statistics.median(times) / 1e9
+        out[f"{kib}KiB"] = dst.nbytes / statistics.median(times[1:]) / 1e9
     return out
 
 
@@ -166,7 +173,7 @@ def decode_main(args, child) -> list[dict]:
     ref = curve.Buffer(nbytes, "DRAM", args.seed).view()
     dst = curve.Buffer(nbytes, "DRAM", None)
     rng = np.random.default_rng(args.seed + 1)
-    model = StageCostModel()
+    model = cost_model(True, os.environ.get("UCX_TLS", transport_config().ucx_tls))  # what the decode worker uses
     cases = []
     with NixlTransport("staged-decode", transport_config()) as transport:
         transport.register(dst.memory(), "DRAM")
@@ -357,14 +364,38 @@ def line(case: dict) -> str:
     return "  ".join(parts)
 
 
+def fit(cases: list[dict]) -> dict:
+    """The cost model's transport constants from this run: least squares of time = descriptors x desc_s + bytes /
+    link over every direct and anchor READ (medians)."""
+    rows, times = [], []
+    for c in cases:
+        for way in ("direct", "anchor"):
+            if way in c:
+                rows.append([c["descriptors"][way], c["bytes"]])
+                times.append(c[way]["s"])
+    if len(rows) < 3:
+        return {}
+    (desc_s, per_byte), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(times), rcond=None)
+    pred = np.array(rows, dtype=float) @ np.array([desc_s, per_byte])
+    return {
+        "desc_s": float(desc_s),
+        "link_bytes_per_s": float(1 / per_byte) if per_byte > 0 else None,
+        "median_rel_error": float(np.median(np.abs(pred - times) / np.array(times))),
+        "points": len(rows),
+    }
+
+
 def render(path: Path) -> str:
     record = json.loads(path.read_text())
     order = list(curve.PAIRS)
     cases = sorted(record["cases"], key=lambda c: (c["tokens"], c["block_size"], order.index(c["ratio"])))
+    tls = record["transport"].rsplit("UCX_TLS=", 1)[-1]
+    model = cost_model(True, tls)  # the picks with the constants in the code now (the run's own are in its JSON)
     rows = [
         f"Source: `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`; {record['transport']}; "
         f"machine: {record['machine'].get('host')} ({record['machine'].get('cpu_count')} CPUs); chunk "
-        f"{cases[0]['chunk_bytes'] >> 10} KiB. Ratio = anchor time / time (median of {cases[0]['reps']}).",
+        f"{cases[0]['chunk_bytes'] >> 10} KiB. Ratio = anchor time / time (median of {cases[0]['reps']}). "
+        f"Model picks: `core.staging.cost_model(same_host=True, UCX_TLS={tls})` per prefill worker read.",
         "",
         "| tokens | block | TP | MiB | direct GB/s (descs) | staged GB/s (READs) | anchor GB/s | direct / anchor |"
         " staged / anchor | model picks | exact |",
@@ -378,7 +409,7 @@ def render(path: Path) -> str:
         def r(w, c=c):
             return f"{c[w]['ratio_to_anchor']:.2f}" if w in c and "ratio_to_anchor" in c[w] else "-"
 
-        picks = {m["staged"] for m in c["model"].values()}
+        picks = {model.prefers_staged(m["bytes"], m["descriptors"], c["chunk_bytes"]) for m in c["model"].values()}
         pick = "staged" if picks == {True} else "direct" if picks == {False} else "mixed"
         rows.append(
             f"| {c['tokens']} | {c['block_size']} | {c['ratio']} | {c['bytes'] / 2**20:.0f} | {g('direct')} "
@@ -440,8 +471,12 @@ def main(argv: list[str] | None = None) -> int:
         f"UCX_TLS={os.environ.get('UCX_TLS', transport_config().ucx_tls)}",
         "machine": curve.machine(args),
         "copy_gbps": copy_rate(args),
-        "cost_model": {k: getattr(StageCostModel(), k) for k in StageCostModel.__dataclass_fields__},
+        "cost_model": {
+            k: getattr(cost_model(True, os.environ.get("UCX_TLS", transport_config().ucx_tls)), k)
+            for k in StageCostModel.__dataclass_fields__
+        },
         "wall_s": time.time() - t0,
+        "fitted": fit(cases),
         "cases": cases,
     }
     args.out.mkdir(parents=True, exist_ok=True)

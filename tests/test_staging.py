@@ -47,20 +47,21 @@ def test_the_model_is_monotonic(nbytes, descs, more, chunk):
 def test_the_model_stages_only_small_runs(nbytes, run):
     descs = max(2, nbytes // run)
     if MODEL.prefers_staged(nbytes, descs, CHUNK):
-        # staging pays only where a descriptor costs more than copying its bytes twice would save: small runs
-        assert nbytes / descs < MODEL.desc_s * MODEL.copy_bytes_per_s
+        # staging pays only for runs shorter than the break-even length (37 KB with the fitted constants)
+        assert nbytes / descs < MODEL.break_even_run_bytes() < 64 << 10
 
 
 def test_the_model_on_the_fitted_cases():
-    """From the fitted constants (host DRAM, UCX cma): 4 KiB runs of an 8k request at 4:1 stay direct there (the
-    copies cost more than the descriptors), while a 46 us descriptor (UCX tcp between namespaces,
-    cpu-netns-nixl-20261201-124220.json) makes staging win; one descriptor is never staged."""
-    nbytes, descs = 448 << 20, 57344
-    assert not MODEL.prefers_staged(nbytes, descs, CHUNK)
+    """From the fitted constants (host DRAM, UCX cma): the 4 KiB runs of an 8k request at TP 4:1, block 16 (57344
+    descriptors) are staged, its 64 KiB runs at block 128 same TP (1792) are not; over tcp (much dearer
+    descriptors) 64 KiB runs are staged too; one descriptor, or 1 MiB runs, never."""
+    nbytes = 448 << 20
+    assert MODEL.prefers_staged(nbytes, 57344, CHUNK)
+    assert not MODEL.prefers_staged(nbytes, 1792, CHUNK)
     tcp = StageCostModel(desc_s=46e-6, link_bytes_per_s=0.4e9)
-    assert tcp.prefers_staged(nbytes, descs, CHUNK)
+    assert tcp.prefers_staged(nbytes, 57344, CHUNK) and tcp.prefers_staged(nbytes, 7168, CHUNK)
     assert not tcp.prefers_staged(nbytes, 1, CHUNK)
-    assert not tcp.prefers_staged(nbytes, 448, CHUNK)  # 1 MiB runs
+    assert not tcp.prefers_staged(nbytes, 448, CHUNK)
 
 
 def test_bad_constants_are_refused():
@@ -219,3 +220,14 @@ def test_sessions_are_bounded_by_the_slots():
         assert stager.drop({"r"}, now=0.0) == 2 and stager.free_slots == 4
     finally:
         stager.close()
+
+
+def test_the_model_follows_the_path():
+    from kvbridge.core.staging import HOST_MEMORY, NETWORK_TCP, cost_model
+
+    assert cost_model(True, "self,sm,cma,tcp") is HOST_MEMORY
+    assert cost_model(False, "self,sm,cma,tcp") is NETWORK_TCP  # another host: only tcp reaches it
+    assert cost_model(True, "tcp") is NETWORK_TCP
+    assert cost_model(False, "rc,tcp") is HOST_MEMORY  # RDMA: not measured, descriptors cheap
+    assert cost_model(False, None) is HOST_MEMORY
+    assert NETWORK_TCP.desc_s > HOST_MEMORY.desc_s

@@ -5,9 +5,8 @@ the transport a fixed time whatever its size, so scattered small runs (16-token 
 descriptor-bound. Staged: the prefill worker gathers the request's runs into a registered contiguous buffer, the
 decode worker READs it in large chunks (one descriptor each) into its own registered buffer and scatters them into
 its KV; chunks are pipelined (the prefill gathers chunk k+1 while chunk k is read), so a request costs about the
-link plus the decode's scatter (the same thread READs chunk k+1 after scattering chunk k), plus one chunk of gathering
-to fill the pipeline and a round trip per chunk: it pays where runs are shorter than `desc_s x copy rate` (7.5 KB
-with the fitted host-DRAM constants, ~200 KB over tcp).
+link and the copies (the decode scatters chunk k-1 while chunk k is read), plus a chunk of gathering and scattering
+to fill and drain the pipeline and a round trip per chunk.
 
 The stream order is canonical: segment-major, then the request's block pairs in order (`expand`'s order). Piece
 (k, i) is `length[k]` bytes of run k of block pair i, at stream offset `n * prefix[k] + i * length[k]` (n block
@@ -23,6 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.core.memory import Region
+
+TCP_DESC_S = 12.8e-6
+TCP_LINK_BYTES_PER_S = 0.47e9
+"""UCX tcp (loopback, 2 shared cores): least squares of the 24 direct and anchor READs of
+bench/results/nixl-staged-20261201-174011.json (median error 30%)."""
 
 
 @dataclass(frozen=True)
@@ -60,20 +64,47 @@ class StageCostModel:
         return descriptors * self.desc_s + nbytes / self.link_bytes_per_s
 
     def staged_s(self, nbytes: int, chunk_bytes: int) -> float:
-        """The decode side READs a chunk, then scatters it (one thread: serial); the prefill side gathers the next
-        chunk meanwhile (hidden, but for the first); each chunk costs a descriptor and a round trip."""
+        """Three stages pipelined by chunk (the prefill gathers chunk k+1 and the decode scatters chunk k-1 while
+        chunk k is read): the slower of the link and the copies, plus the first chunk's gather and the last one's
+        scatter, plus a descriptor and a round trip per chunk."""
         if nbytes <= 0:
             return 0.0
         chunks = -(-nbytes // chunk_bytes)
         first = min(chunk_bytes, nbytes)
-        copies = (nbytes + first) / self.copy_bytes_per_s
-        return nbytes / self.link_bytes_per_s + copies + chunks * (self.desc_s + self.round_trip_s)
+        bottleneck = min(self.link_bytes_per_s, self.copy_bytes_per_s)
+        return nbytes / bottleneck + 2 * first / self.copy_bytes_per_s + chunks * (self.desc_s + self.round_trip_s)
+
+    def break_even_run_bytes(self) -> float:
+        """The mean run length below which staging a large part is expected to win (fill, drain and round trips
+        left out): where a descriptor costs more than the extra time its bytes spend in the slower pipeline."""
+        extra = 1 / min(self.link_bytes_per_s, self.copy_bytes_per_s) - self.margin / self.link_bytes_per_s
+        return float("inf") if extra <= 0 else self.margin * self.desc_s / extra
 
     def prefers_staged(self, nbytes: int, descriptors: int, chunk_bytes: int) -> bool:
         """Whether staging this part is expected to beat `descriptors` direct descriptors for `nbytes`."""
         if nbytes <= 0 or descriptors <= 1 or chunk_bytes <= 0:
             return False
         return self.staged_s(nbytes, chunk_bytes) < self.margin * self.direct_s(nbytes, descriptors)
+
+
+HOST_MEMORY = StageCostModel()
+"""Host DRAM between processes of one host (UCX sm/cma): the fitted defaults."""
+
+NETWORK_TCP = StageCostModel(desc_s=TCP_DESC_S, link_bytes_per_s=TCP_LINK_BYTES_PER_S)
+"""UCX over tcp (another host, or a UCX_TLS without cma). Conservative: there 8 MiB chunks moved at 0.7-1.2 GB/s,
+faster than the fitted link (one large descriptor), which this single rate does not capture."""
+
+
+def cost_model(same_host: bool, ucx_tls: str | None) -> StageCostModel:
+    """The model for a READ path: tcp's where UCX can only use tcp for it (another host, or no sm/cma in UCX_TLS,
+    and no RDMA transport named), else host memory's. RDMA (rc, dc, ud) was not measured: its descriptors cost about
+    what cma's do, so it gets the host-memory model, which stages only runs of a few KB."""
+    names = {t.strip().lower() for t in (ucx_tls or "").split(",") if t.strip()}
+    rdma = any(n.startswith(("rc", "dc", "ud", "ib", "gdr")) or n == "all" for n in names)
+    if not names or rdma or ucx_tls.startswith("^"):
+        return HOST_MEMORY
+    local = same_host and bool(names & {"sm", "cma", "shm", "posix", "sysv", "xpmem", "knem"})
+    return HOST_MEMORY if local or "tcp" not in names else NETWORK_TCP
 
 
 @dataclass(frozen=True)

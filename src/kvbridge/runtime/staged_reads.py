@@ -6,8 +6,10 @@ free slots (else the part is read directly, as before). A part runs on a driver 
 
     for chunk k:  Stage(k, released=k) over the side channel  -> the prefill worker gathers chunk k (it gathered
                   it ahead while chunk k-1 was read) and answers where it is (`Staged`)
+                  wait for the scatter of chunk k - DEPTH (the slot's previous chunk)
                   READ it (one descriptor) into this worker's slot k % DEPTH; the last READ carries the Notify
-                  poll until done, release, scatter the slot into the KV blocks
+                  poll until done, release; scatter the slot into the KV blocks on the scatter pool (it runs while
+                  chunk k+1 is staged and read)
 
 The part holds its slots (registered once, bounded) until every READ of it is released; it reports done only after
 its last scatter, failed only once no READ of it can still write (a release NIXL refuses is retried), so the load
@@ -20,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +33,7 @@ from kvbridge.core.errors import KVBridgeError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import Region, WorkerMemory
 from kvbridge.core.segments import Segments
-from kvbridge.core.staging import StageCostModel, StageLayout
+from kvbridge.core.staging import StageCostModel, StageLayout, cost_model
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.peers import Peer, address
 from kvbridge.runtime.staging import DEPTH
@@ -88,7 +90,7 @@ class StagedReads:
         self.config = config
         self.nixl = nixl
         self.sealer = sealer
-        self.model = model or StageCostModel()
+        self.model = model  # None: chosen per peer by its path (`core.staging.cost_model`)
         self.slot_bytes = config.nixl_staging_chunk_bytes
         self.num_slots = config.nixl_staging_bytes // self.slot_bytes if config.nixl_staging_bytes else 0
         self.buffer: np.ndarray | None = None
@@ -118,10 +120,14 @@ class StagedReads:
         self._pool = ThreadPoolExecutor(
             max(1, self.num_slots // DEPTH), thread_name_prefix="kvbridge-staged", initializer=unpin_this_thread
         )
+        self._scatters = ThreadPoolExecutor(
+            max(1, self.num_slots // DEPTH), thread_name_prefix="kvbridge-scatter", initializer=unpin_this_thread
+        )
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=False)
+            self._scatters.shutdown(wait=True, cancel_futures=False)
         for client in self._clients:
             client.close()
 
@@ -135,7 +141,8 @@ class StagedReads:
             return None
         chunk = min(self.slot_bytes, peer.staging_slot_bytes)
         nbytes = segments.block_bytes * len(s_blocks)
-        if self.config.nixl_staging != "always" and not self.model.prefers_staged(nbytes, descriptors, chunk):
+        model = self.model or cost_model(peer.same_host, self.nixl.transport.ucx_env.get("UCX_TLS"))
+        if self.config.nixl_staging != "always" and not model.prefers_staged(nbytes, descriptors, chunk):
             return None
         try:
             layout = StageLayout(segments.length, len(s_blocks), chunk)
@@ -184,6 +191,17 @@ class StagedReads:
             part.finished = True
 
     def _chunks(self, part: StagedPart, note: bytes) -> None:
+        """Every chunk in order; the scatter of chunk k runs (on the scatter pool) while chunk k+1 is staged and
+        read into the other slot. Returns or raises only once no scatter of the part is running."""
+        scatters: dict[int, Future] = {}
+        try:
+            self._chunks_in_order(part, note, scatters)
+        finally:
+            wait(list(scatters.values()))
+        for future in scatters.values():
+            future.result()  # a failed scatter fails the part
+
+    def _chunks_in_order(self, part: StagedPart, note: bytes, scatters: dict[int, Future]) -> None:
         load, seg = part.load, part.segments
         source = load.job.source
         target = address(source, part.rank)
@@ -221,10 +239,16 @@ class StagedReads:
                     f"expected {k} of {len(part.chunks)} ({part.sizes[k]} B)"
                 )
             slot = part.slots[k % len(part.slots)] * self.slot_bytes
+            previous = scatters.pop(k - len(part.slots), None)  # the slot's last chunk must be scattered first
+            if previous is not None:
+                previous.result()
             last = k == len(part.chunks) - 1
             self._read(part, answer.offset, slot, answer.nbytes, note if last else b"")
             chunk = self.buffer[slot : slot + answer.nbytes]
-            scatter(self._views, seg.dst_addr, seg.dst_block_stride, seg.length, part.d_blocks, pieces, chunk)
+            views, d_blocks = self._views, part.d_blocks
+            scatters[k] = self._scatters.submit(
+                scatter, views, seg.dst_addr, seg.dst_block_stride, seg.length, d_blocks, pieces, chunk
+            )
 
     def _read(self, part: StagedPart, remote_offset: int, local_offset: int, nbytes: int, note: bytes) -> None:
         """One READ of a staged chunk, polled to its end and released; on any error it is released before this
