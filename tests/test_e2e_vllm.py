@@ -14,6 +14,8 @@ prompt token as transferred (`external_kv_transfer`) and none as computed locall
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import time
 import zlib
@@ -45,7 +47,10 @@ SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 def kv_config(base_port: int, lease_s: float = 30.0) -> dict:
-    return kvbridge_config("kv_both", side_channel_port=base_port, lease_s=lease_s)
+    # KVBRIDGE_E2E_EXTRA: more kv_connector_extra_config as JSON, e.g. the staged NIXL path:
+    # '{"nixl_staging_bytes": 1048576, "nixl_staging_chunk_bytes": 65536, "nixl_staging": "always"}'
+    extra = json.loads(os.environ.get("KVBRIDGE_E2E_EXTRA", "{}"))
+    return kvbridge_config("kv_both", side_channel_port=base_port, lease_s=lease_s, **extra)
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,8 @@ class StagedReads:
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._clients: list[SideChannelClient] = []
+        self._running: set[StagedPart] = set()
+        self._announced: set[str] = set()  # prefill agents whose first staged read was logged
         self.staged_parts = 0  # totals, for tests and benches
         self.fallbacks = 0
 
@@ -125,6 +127,11 @@ class StagedReads:
         )
 
     def close(self) -> None:
+        """Stop the running parts at their next step (each releases its READ first), then the pools."""
+        with self._lock:
+            running = list(self._running)
+        for part in running:
+            part.cancelled = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=False)
             self._scatters.shutdown(wait=True, cancel_futures=False)
@@ -155,6 +162,19 @@ class StagedReads:
                 self.fallbacks += 1
                 return None
             part.slots = [self._free.pop() for _ in range(want)]
+            first = peer.agent not in self._announced
+            if len(self._announced) >= 4096:  # bounded: a long-lived decode meets many prefill engines
+                self._announced.clear()
+            self._announced.add(peer.agent)
+        if first:  # once per prefill agent: which path its reads take is worth a line
+            logger.info(
+                "kvbridge decode %s: staged NIXL reads from %s (%d B in %d chunks for %d descriptors direct)",
+                self.identity,
+                peer.agent,
+                nbytes,
+                len(part.chunks),
+                descriptors,
+            )
         return part
 
     def cancel(self, part: StagedPart) -> None:
@@ -165,6 +185,8 @@ class StagedReads:
     def run(self, part: StagedPart, note: bytes) -> None:
         """Start the part's driver; `note` (the encoded Notify) rides on its last READ."""
         self.staged_parts += 1
+        with self._lock:
+            self._running.add(part)
         self._pool.submit(self._drive, part, note)
 
     # -- the driver -----------------------------------------------------------------------------------
@@ -188,6 +210,8 @@ class StagedReads:
             part.error = part.error or f"staged read from {part.rank}: {exc}"
         finally:
             self._give_back(part)
+            with self._lock:
+                self._running.discard(part)
             part.finished = True
 
     def _chunks(self, part: StagedPart, note: bytes) -> None:
