@@ -18,6 +18,7 @@ the request's runs into one buffer), the constant the cost model's copy term use
 
     python3 bench/nixl_staged.py                       # this machine: DRAM, UCX self,sm,cma,tcp; JSON to bench/results
     UCX_TLS=tcp python3 bench/nixl_staged.py           # the same over UCX tcp on loopback only
+    python3 bench/nixl_staged.py --netns               # UCX tcp between two network namespaces (root, iproute2)
     # on the GPU device machine (host DRAM; NIXL there needs cuda_copy in UCX_TLS):
     UCX_TLS=self,sm,cma,tcp,cuda_copy python3 bench/nixl_staged.py --tokens 8192 --budget-s 500
 """
@@ -61,8 +62,8 @@ DECODE = curve.DECODE
 WAYS = ("direct", "staged", "anchor")
 
 
-def transport_config() -> TransportConfig:
-    return TransportConfig(ucx_tls=os.environ.get("UCX_TLS", "self,sm,cma,tcp"))
+def transport_config(device: str = "") -> TransportConfig:
+    return TransportConfig(ucx_tls=os.environ.get("UCX_TLS", "self,sm,cma,tcp"), ucx_net_devices=device or "lo")
 
 
 def staging_config(args) -> BridgeConfig:
@@ -79,7 +80,7 @@ def prefill_main(args) -> None:
     layout = ParallelLayout.parse("tp=4")  # a stager and a side channel for each of up to four prefill workers
     stagers = {rank: Stager(memory, args.staging_mib << 20, args.chunk_kib << 10) for rank in layout.workers()}
     servers = []
-    with NixlTransport("staged-prefill", transport_config()) as transport:
+    with NixlTransport("staged-prefill", transport_config(args.device)) as transport:
         transport.register(buf.memory(), "DRAM")
         for stager in stagers.values():
             stager.start()
@@ -95,7 +96,7 @@ def prefill_main(args) -> None:
 
         for rank, stager in stagers.items():
             port = side_channel_port(args.port, layout, 0, rank)
-            server = SideChannelServer(port, answerer(stager), host="127.0.0.1")
+            server = SideChannelServer(port, answerer(stager), host=args.host)
             server.start()
             servers.append(server)
         (work / "prefill.addr").write_text(str(buf.addr))
@@ -156,10 +157,10 @@ def copy_rate(args) -> dict:
     return out
 
 
-def decode_main(args, child) -> list[dict]:
+def decode_main(args, child=None) -> list[dict]:
     work = Path(args.dir)
     while not (work / "prefill.meta").exists():
-        if child.poll() is not None:
+        if child is not None and child.poll() is not None:
             raise RuntimeError(f"the prefill process exited ({child.returncode})")
         time.sleep(0.05)
     nbytes = curve.total_bytes(args)
@@ -175,7 +176,7 @@ def decode_main(args, child) -> list[dict]:
     rng = np.random.default_rng(args.seed + 1)
     model = cost_model(True, os.environ.get("UCX_TLS", transport_config().ucx_tls))  # what the decode worker uses
     cases = []
-    with NixlTransport("staged-decode", transport_config()) as transport:
+    with NixlTransport("staged-decode", transport_config(args.device)) as transport:
         transport.register(dst.memory(), "DRAM")
         peer_name = transport.add_peer((work / "prefill.meta").read_bytes())
         reads = _Reads(transport)
@@ -264,7 +265,7 @@ def measure(args, transport, peer_name, plan, sources, dst_mem, peers, staged, t
             remote_engine_id="bench-prefill",
             remote_request_id=f"req-{request[0]}",
             remote_block_ids=[],
-            remote_host="127.0.0.1",
+            remote_host=args.host,
             remote_port=args.port,
             remote_layout="tp=4",  # the prefill process listens on the ports of a tp=4 layout
         )
@@ -419,9 +420,36 @@ def render(path: Path) -> str:
     return "\n".join(rows) + "\n"
 
 
+def run_netns(args, passed: list[str], env: dict, work: str) -> tuple[list[dict], dict]:
+    """Prefill and decode processes in the namespaces of tests/hosts.py (root, iproute2), UCX tcp on their veths."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hosts import network_hosts
+
+    env = {k: v for k, v in env.items() if k not in ("UCX_TLS", "UCX_NET_DEVICES")}
+    env["UCX_TLS"] = "tcp"
+    with network_hosts("prefill", "decode") as hosts:
+        procs = []
+        for role in ("prefill", "decode"):
+            host = hosts[role]
+            cmd = ["ip", "netns", "exec", host.netns, sys.executable, __file__, *passed, "--role", role]
+            cmd += ["--dir", work, "--port", str(args.port), "--host", hosts["prefill"].ip, "--device", host.device]
+            procs.append(subprocess.Popen(cmd, env=env))
+        try:
+            if procs[1].wait(timeout=args.budget_s + 600):
+                raise RuntimeError(f"the decode process exited with {procs[1].returncode}")
+        finally:
+            Path(work, "stop").touch()
+            procs[0].wait(timeout=60)
+        info = {r: {"ip": h.ip, "device": h.device} for r, h in hosts.items()}
+    return json.loads(Path(work, "cases.json").read_text()), info
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--role", choices=["run", "prefill"], default="run")
+    p.add_argument("--role", choices=["run", "prefill", "decode"], default="run")
+    p.add_argument("--netns", action="store_true", help="prefill and decode in two network namespaces, UCX tcp")
+    p.add_argument("--host", default="127.0.0.1", help="the prefill process's side-channel address (set by --netns)")
+    p.add_argument("--device", default="", help="UCX_NET_DEVICES (set by --netns; default lo)")
     p.add_argument("--dir", default="")
     p.add_argument("--block-sizes", nargs="+", type=int, default=[16, 64, 128])
     p.add_argument("--ratios", nargs="+", default=list(curve.PAIRS), choices=list(curve.PAIRS))
@@ -447,27 +475,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "prefill":
         prefill_main(args)
         return 0
+    if args.role == "decode":  # --netns: the decode process in its namespace
+        Path(args.dir, "cases.json").write_text(json.dumps(decode_main(args)))
+        return 0
     if not args.port:
         from kvbridge.serving.launcher import free_base_port
 
         args.port = free_base_port(4)
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a]
+    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a and a != "--netns"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
+    hosts_info = None
     with tempfile.TemporaryDirectory() as work:
-        child = subprocess.Popen(
-            [sys.executable, __file__, *passed, "--role", "prefill", "--dir", work, "--port", str(args.port)], env=env
-        )
-        try:
-            args.dir = work
-            cases = decode_main(args, child)
-        finally:
-            Path(work, "stop").touch()
-            child.wait(timeout=60)
+        if args.netns:
+            cases, hosts_info = run_netns(args, passed, env, work)
+        else:
+            child = subprocess.Popen(
+                [sys.executable, __file__, *passed, "--role", "prefill", "--dir", work, "--port", str(args.port)],
+                env=env,
+            )
+            try:
+                args.dir = work
+                cases = decode_main(args, child)
+            finally:
+                Path(work, "stop").touch()
+                child.wait(timeout=60)
+    if args.netns:
+        os.environ["UCX_TLS"] = "tcp"
     record = {
         "command": [sys.executable, *sys.argv],
         "settings": {k: str(v) for k, v in vars(args).items()},
-        "transport": f"NIXL UCX between two processes on one host, DRAM, {args.layout}, "
+        "transport": (
+            "NIXL UCX between two network namespaces (veth), "
+            if args.netns
+            else "NIXL UCX between two processes on one host, "
+        )
+        + f"DRAM, {args.layout}, "
         f"UCX_TLS={os.environ.get('UCX_TLS', transport_config().ucx_tls)}",
         "machine": curve.machine(args),
         "copy_gbps": copy_rate(args),
@@ -475,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             k: getattr(cost_model(True, os.environ.get("UCX_TLS", transport_config().ucx_tls)), k)
             for k in StageCostModel.__dataclass_fields__
         },
+        "hosts": hosts_info,
         "wall_s": time.time() - t0,
         "fitted": fit(cases),
         "cases": cases,

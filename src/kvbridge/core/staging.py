@@ -23,10 +23,13 @@ import numpy as np
 
 from kvbridge.core.memory import Region
 
-TCP_DESC_S = 12.8e-6
-TCP_LINK_BYTES_PER_S = 0.47e9
-"""UCX tcp (loopback, 2 shared cores): least squares of the 24 direct and anchor READs of
-bench/results/nixl-staged-20261201-174011.json (median error 30%)."""
+TCP_DESC_S = 19.6e-6
+TCP_LINK_BYTES_PER_S = 0.375e9
+TCP_STAGE_BYTES_PER_S = 0.65e9
+"""UCX tcp between two network namespaces (veth, 2 shared cores), bench/results/nixl-staged-20261201-175609.json:
+least squares of its 24 direct and anchor READs (median error 9%), and the median rate of its 12 staged parts (8 MiB
+READs in a pipeline move faster than one large READ there; loopback tcp, nixl-staged-20261201-174011.json: 12.8 us,
+0.47 GB/s, staged 0.78 GB/s)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class StageCostModel:
     copy_bytes_per_s: float = 5e9
     """A host gather or scatter of KV runs (numpy take/put of 4-64 KiB rows, one thread)."""
 
+    stage_bytes_per_s: float | None = None
+    """What the staged READs (chunk-sized, pipelined) move per second; None: `link_bytes_per_s`."""
+
     round_trip_s: float = 2e-4
     """One side-channel exchange per chunk (the Stage request and its answer), which the pipeline does not hide
     for the first chunk."""
@@ -55,6 +61,8 @@ class StageCostModel:
     of this request."""
 
     def __post_init__(self) -> None:
+        if self.stage_bytes_per_s is not None and not self.stage_bytes_per_s > 0:
+            raise ValueError(f"stage_bytes_per_s must be positive, got {self.stage_bytes_per_s!r}")
         for name in ("desc_s", "link_bytes_per_s", "copy_bytes_per_s", "round_trip_s", "margin"):
             value = getattr(self, name)
             if not value >= 0 or (name != "desc_s" and name != "round_trip_s" and not value > 0):
@@ -71,13 +79,14 @@ class StageCostModel:
             return 0.0
         chunks = -(-nbytes // chunk_bytes)
         first = min(chunk_bytes, nbytes)
-        bottleneck = min(self.link_bytes_per_s, self.copy_bytes_per_s)
+        bottleneck = min(self.stage_bytes_per_s or self.link_bytes_per_s, self.copy_bytes_per_s)
         return nbytes / bottleneck + 2 * first / self.copy_bytes_per_s + chunks * (self.desc_s + self.round_trip_s)
 
     def break_even_run_bytes(self) -> float:
         """The mean run length below which staging a large part is expected to win (fill, drain and round trips
         left out): where a descriptor costs more than the extra time its bytes spend in the slower pipeline."""
-        extra = 1 / min(self.link_bytes_per_s, self.copy_bytes_per_s) - self.margin / self.link_bytes_per_s
+        stage = self.stage_bytes_per_s or self.link_bytes_per_s
+        extra = 1 / min(stage, self.copy_bytes_per_s) - self.margin / self.link_bytes_per_s
         return float("inf") if extra <= 0 else self.margin * self.desc_s / extra
 
     def prefers_staged(self, nbytes: int, descriptors: int, chunk_bytes: int) -> bool:
@@ -90,9 +99,10 @@ class StageCostModel:
 HOST_MEMORY = StageCostModel()
 """Host DRAM between processes of one host (UCX sm/cma): the fitted defaults."""
 
-NETWORK_TCP = StageCostModel(desc_s=TCP_DESC_S, link_bytes_per_s=TCP_LINK_BYTES_PER_S)
-"""UCX over tcp (another host, or a UCX_TLS without cma). Conservative: there 8 MiB chunks moved at 0.7-1.2 GB/s,
-faster than the fitted link (one large descriptor), which this single rate does not capture."""
+NETWORK_TCP = StageCostModel(
+    desc_s=TCP_DESC_S, link_bytes_per_s=TCP_LINK_BYTES_PER_S, stage_bytes_per_s=TCP_STAGE_BYTES_PER_S
+)
+"""UCX over tcp (another host, or a UCX_TLS without cma)."""
 
 
 def cost_model(same_host: bool, ucx_tls: str | None) -> StageCostModel:
