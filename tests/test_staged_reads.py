@@ -53,3 +53,27 @@ def test_staged_loads_are_byte_exact(prefill, decode, heads):
         staging = report["staging"]
         assert staging["sessions"] == 0 and staging["free_slots"] == staging["num_slots"], report
         assert staging["buffer_bytes"] == 1 << 20, report
+
+
+@pytest.mark.nixl
+def test_loads_beyond_the_slots_read_directly_and_stay_exact():
+    """Each side has room for one staged part at a time (two slots) while two decode workers keep two loads each in
+    flight: the parts that find no slot (here or on the prefill side, "busy") are read directly. Every load is still
+    exact, every request freed once, every slot back."""
+    tight = BridgeConfig(
+        lease_s=30.0,
+        handshake_timeout_s=5.0,
+        transfer_timeout_s=60.0,
+        nixl_staging_bytes=2 << 16,
+        nixl_staging_chunk_bytes=1 << 16,
+        nixl_staging="always",
+    )
+    s = scenario("pp=1,tp=1", "pp=1,tp=2", config=tight, repeats=4, concurrent=2)
+    result = run_transfer(s, timeout_s=120)
+    for worker in result["decode"]:
+        assert worker["ok"] and not worker["failed"] and worker["exact"] and worker["untouched_clean"], worker
+        assert len(worker["transfer_times_s"]) == 4
+    assert release_problems(s, result) == []
+    staging = result["prefill"][0]["staging"]
+    assert staging["sessions"] == 0 and staging["free_slots"] == staging["num_slots"] == 2, staging
+    print("staged parts, fallbacks:", [(w["staged_parts"], w["staged_fallbacks"]) for w in result["decode"]])
