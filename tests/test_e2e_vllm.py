@@ -8,6 +8,8 @@ prompt token as transferred (`external_kv_transfer`) and none as computed locall
 
 from __future__ import annotations
 
+import json
+import os
 import zlib
 
 import pytest
@@ -22,7 +24,10 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    started = layout_servers(build_tiny_model(root / "model"), root)
+    # KVBRIDGE_E2E_EXTRA: more kv_connector_extra_config as JSON, e.g. the staged NIXL path:
+    # '{"nixl_staging_bytes": 1048576, "nixl_staging_chunk_bytes": 65536, "nixl_staging": "always"}'
+    extra = json.loads(os.environ.get("KVBRIDGE_E2E_EXTRA", "{}"))
+    started = layout_servers(build_tiny_model(root / "model"), root, kv=extra)
     with running(list(started.values())):
         yield started
 

@@ -104,6 +104,22 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     measured faster where it matters (bench/GPU_RESULTS.md, Session 6). None: the KVBRIDGE_NIXL_PREPARED_LISTS
     environment variable decides ("1": on), for benches and tests."""
 
+    nixl_staging_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 36)] = 0
+    """Host memory for the staged NIXL path (KV in host memory only), allocated and registered once per worker: a
+    prefill worker gathers a reader's scattered runs into it, a decode worker READs them there in large chunks and
+    scatters them into its KV (`core.staging`, `runtime.staging`, `runtime.staged_reads`). Both sides need it; a
+    decode worker stages a read only where the cost model expects it to beat posting every run (`nixl_staging`).
+    0: off (the direct path only)."""
+
+    nixl_staging_chunk_bytes: Annotated[int, msgspec.Meta(ge=1 << 16, le=1 << 30)] = 8 << 20
+    """The staged path's chunk (a slot of the staging buffer): a request's part is gathered, read and scattered
+    chunk by chunk, two chunks in flight per prefill worker read."""
+
+    nixl_staging: Literal["auto", "always"] = "auto"
+    """Decode side, with staging on both sides: "auto" stages a prefill worker's part of a request when the cost
+    model (`core.staging.StageCostModel`: bytes, descriptors) prefers it; "always" stages every part that fits (tests,
+    benches)."""
+
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     """On a step with nothing scheduled, wait up to this long for the connector's next event rather than return at
     once: a decode worker with loads outstanding for one to finish, a prefill worker holding requests for a
@@ -113,6 +129,11 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     def check_role(self, producer: bool, consumer: bool) -> None:
         """Refuse settings that contradict each other for this role (ConfigError naming both keys)."""
+        if self.nixl_staging_bytes and self.nixl_staging_bytes < 2 * self.nixl_staging_chunk_bytes:
+            raise ConfigError(
+                f"kv_connector_extra_config: nixl_staging_bytes ({self.nixl_staging_bytes}) must hold two chunks of "
+                f"nixl_staging_chunk_bytes ({self.nixl_staging_chunk_bytes})"
+            )
         if producer and consumer and self.lease_s < self.transfer_timeout_s + READ_MARGIN_S:
             raise ConfigError(
                 f"kv_connector_extra_config: lease_s ({self.lease_s:g}) must exceed transfer_timeout_s "

@@ -131,6 +131,22 @@ class LeaseBook:
         entry.read_until = max(entry.read_until or until, until)
         return None
 
+    def reading(self, request_id: str, token: str, reader: str, blocks: Iterable[int], now: float) -> float | None:
+        """Until when `reader` may read `blocks` of `request_id` (its claim's pin), or None: not held, a wrong
+        token, no claim of this reader, or blocks not the request's. What the staged path asks before it copies."""
+        entry = self._entries.get(request_id)
+        if (
+            entry is None
+            or not _same(entry.token, token)
+            or entry.reader != reader
+            or entry.read_until is None
+            or self._lapsed(entry, now)
+            or not entry.blocks.issuperset(blocks)
+        ):
+            self.refused_total += 1
+            return None
+        return entry.read_until
+
     def notified(self, request_id: str, token: str, engine: str, worker: str, expected: int, now: float) -> bool:
         """Decode worker `worker` of engine `engine` is done with `request_id`; repeats count once.
         False if the notification was not taken (wrong token, another engine's, nowhere to keep it)."""

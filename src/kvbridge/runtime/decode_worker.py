@@ -139,7 +139,15 @@ class DecodeWorker:
             identity, memory, config, self._handshakes, self._add_agent, self.sealer, self._ipc_connect
         )
         self.nixl = NixlReads(
-            identity, memory, config, mem_type, self.peers, loaded=self._complete, failed=self._fail, tell=self._tell
+            identity,
+            memory,
+            config,
+            mem_type,
+            self.peers,
+            loaded=self._complete,
+            failed=self._fail,
+            tell=self._tell,
+            sealer=self.sealer,
         )
         self.budget = ReadBudget(config, block_bytes(memory))  # deadlines that grow with the bytes in flight
         self.ipc: IpcReads | None = None  # when this worker may read through CUDA IPC (from start())

@@ -45,6 +45,7 @@ class Load:
     engine: Engine | None = None
     begun: bool = False  # counted in engine.inflight (reached the transfer thread)
     transfers: list[Transfer] = field(default_factory=list)
+    staged: list[Any] = field(default_factory=list)  # staged_reads.StagedPart: parts read through staging
     read_ranks: tuple[WorkerRank, ...] = ()
     nbytes: int = 0
     descriptors: int = 0

@@ -42,6 +42,7 @@ from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.peers import Engine, PeerBook
 from kvbridge.runtime.prefill_worker import transport_config
+from kvbridge.runtime.staged_reads import StagedReads
 from kvbridge.transport.nixl import MemType, NixlTransport, PreparedLists
 from kvbridge.wire import messages as wire
 
@@ -129,6 +130,7 @@ class NixlReads:
         loaded: Callable[[Load], None],
         failed: Callable[[Load, str], None],
         tell: Callable[[wire.Message, LoadJob, tuple[WorkerRank, ...]], None],
+        sealer=None,
     ) -> None:
         """`loaded(load)` and `failed(load, error)` report a load to the decode worker; `tell(message, job, ranks)`
         queues a message for the notifier."""
@@ -150,12 +152,20 @@ class NixlReads:
         self._segments: dict[str, Segments] = {}
         self._prepared: dict[str, PreparedLists | None] = {}
         self._judged: set[str] = set()  # engine ids whose transport has been judged (one log line each)
+        # The staged path (host memory, staging configured): parts of loads read in large chunks, then scattered.
+        staged = mem_type == "DRAM" and config.nixl_staging_bytes > 0 and self.memory.num_groups == 1
+        self.staged = StagedReads(identity, memory, config, self, sealer) if staged else None
 
     def start(self) -> None:
         self.transport.start()
         self.transport.register(self.memory, self.mem_type)
+        if self.staged is not None:
+            with self._lock:
+                self.staged.start()
 
     def close(self) -> None:
+        if self.staged is not None:
+            self.staged.close()
         self.transport.close()
 
     @property
@@ -204,9 +214,12 @@ class NixlReads:
                 self._drain_and_fail(load, str(exc))
                 return
             encoded = wire.encode(note)
+            parts = self._staged_parts(load, engine, descs)
             load.nbytes = sum(r.nbytes for r in descs.values())
-            load.descriptors = sum(len(r) for r in descs.values())
+            load.descriptors = sum(len(r) for r in descs.values()) - sum(len(descs[p.rank]) - len(p) for p in parts)
             for rank, d in descs.items():
+                if rank in {p.rank for p in parts}:
+                    continue
                 peer = engine.peers[rank]
                 try:
                     if isinstance(d, Descriptors):
@@ -218,8 +231,13 @@ class NixlReads:
                     pending = getattr(exc, "transfer", None)
                     if pending is not None:
                         load.transfers.append(pending)
+                    for part in parts:
+                        self.staged.cancel(part)
                     self._drain_and_fail(load, str(exc), broken=engine)
                     return
+            for part in parts:
+                load.staged.append(part)
+                self.staged.run(part, encoded)
             load.posted = time.monotonic()
             self._judge_at_handshake(engine)
             others = tuple(r for r in engine.layout.workers() if r not in descs)
@@ -243,8 +261,12 @@ class NixlReads:
     def _poll(self) -> None:
         still = []
         for load in self._active:
+            failed = next((p.error for p in load.staged if p.finished and p.error), "")
+            if failed:
+                self._drain_and_fail(load, failed)
+                continue
             try:
-                done = all(self.transport.poll(t) for t in load.transfers)
+                done = all(self.transport.poll(t) for t in load.transfers) and all(p.finished for p in load.staged)
             except Exception as exc:  # KVBridgeError from NIXL, or a bug: this load fails, the others go on
                 if not isinstance(exc, KVBridgeError):
                     logger.exception("kvbridge decode %s: polling failed", self.identity)
@@ -276,6 +298,10 @@ class NixlReads:
 
     def _release_all(self, load: Load) -> bool:
         ok = True
+        for part in load.staged:  # a staged part stops at its next step and releases its own READ
+            if not part.finished:
+                part.cancelled = True
+                ok = False
         for t in load.transfers:
             try:
                 self.transport.release(t)
@@ -391,6 +417,24 @@ class NixlReads:
                 src_idx, dst_idx = prepared.table.indices(s_blocks, d_blocks)
                 out[rank] = PreparedRead(prepared, src_idx, dst_idx, prepared.table.nbytes(s_blocks.size))
         return out
+
+    def _staged_parts(self, load: Load, engine: Engine, descs: dict) -> list:
+        """The parts of the load to read through staging (their slots reserved), where the cost model says so."""
+        if self.staged is None or not descs:
+            return []
+        job = load.job
+        src_blocks = np.asarray(job.remote_blocks, dtype=np.int64)
+        dst_blocks = np.asarray(job.local_blocks, dtype=np.int64)
+        sources = {rank: peer.memory for rank, peer in engine.peers.items()}
+        segments = self._peer_segments(engine, sources)
+        parts = []
+        for rank, d in descs.items():
+            peer = engine.peers[rank]
+            s_blocks, d_blocks = block_lists(src_blocks, dst_blocks, peer.memory, self.memory)
+            part = self.staged.consider(load, rank, peer, segments[rank], s_blocks, d_blocks, len(d))
+            if part is not None:
+                parts.append(part)
+        return parts
 
     def _peer_segments(self, engine: Engine, sources: dict[WorkerRank, WorkerMemory]) -> dict[WorkerRank, Segments]:
         """Each prefill worker's segments (empty: not read), computed once per agent."""

@@ -24,7 +24,7 @@ from typing import Any
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import IncompatiblePeerError, TransferError
 from kvbridge.core.identity import WorkerIdentity
-from kvbridge.core.memory import IpcHandle, WorkerMemory
+from kvbridge.core.memory import IpcHandle, Region, WorkerMemory
 from kvbridge.core.plan import TransferPlan, make_plan
 from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.runtime.host import host_id
@@ -60,6 +60,8 @@ class Peer:
     epoch: str
     same_host: bool = False
     ipc: tuple[IpcHandle, ...] = ()
+    staging: Region | None = None  # its staging buffer (the staged NIXL path), if it offers one
+    staging_slot_bytes: int = 0
 
 
 @dataclass
@@ -186,7 +188,16 @@ class PeerBook:
             if agent != reply.agent_name:
                 raise IncompatiblePeerError("agent_name", reply.agent_name, agent)
             ipc = tuple(h.to_core() for h in reply.ipc)
-            peers[rank] = Peer(agent, reply.memory.to_core(), reply.epoch, reply.host_id == host_id(), ipc)
+            staging = reply.staging.to_core() if reply.staging is not None else None
+            peers[rank] = Peer(
+                agent,
+                reply.memory.to_core(),
+                reply.epoch,
+                reply.host_id == host_id(),
+                ipc,
+                staging,
+                reply.staging_slot_bytes if staging is not None else 0,
+            )
         engine = Engine(key, layout, peers, self.plan(layout))
         path = "NIXL"
         if self.ipc_connect is not None and all(p.same_host and p.ipc for p in peers.values()):

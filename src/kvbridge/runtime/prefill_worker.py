@@ -25,6 +25,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import LeaseBook
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.runtime.host import has_nvidia_gpu, host_id, interface_of
+from kvbridge.runtime.staging import Stager
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportConfig
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
@@ -72,6 +73,9 @@ class PrefillWorker:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: SideChannelServer | None = None
+        self.stager: Stager | None = None  # the staged NIXL path (host memory only), when staging is configured
+        if config.nixl_staging_bytes and mem_type == "DRAM":
+            self.stager = Stager(memory, config.nixl_staging_bytes, config.nixl_staging_chunk_bytes)
 
     def start(self) -> PrefillWorker:
         if not self.config.check_exposure(self.key is not None):
@@ -81,6 +85,9 @@ class PrefillWorker:
             )
         self.transport.start()
         self.transport.register(self.memory, self.mem_type)
+        if self.stager is not None:  # before the metadata: readers see the staging buffer with the KV
+            self.stager.start()
+            self.transport.register(self.stager.memory_region, "DRAM")
         ident = self.identity
         reply = wire.HandshakeReply.build(
             ident.engine_id,
@@ -95,6 +102,8 @@ class PrefillWorker:
             host_id=host_id(),
             ipc=self.ipc,
             epoch=self.epoch,
+            staging=self.stager.region if self.stager else None,
+            staging_slot_bytes=self.stager.slot_bytes if self.stager else 0,
         )
         sealer = Sealer(self.key, window_s=self.config.auth_window_s) if self.key else None
         self._server = SideChannelServer(
@@ -143,6 +152,16 @@ class PrefillWorker:
                     self._changed.notify_all()
                 self._wake.set()
                 return wire.Ack(request_id=message.request_id, epoch=self.epoch) if taken else _REFUSED
+            case wire.Stage() if self.stager is not None:
+                # the staged path: gathering takes this thread for one chunk's copy (milliseconds); later chunks
+                # are gathered ahead by the stager's own thread
+                with self._lock:
+                    until = self._leases.reading(
+                        message.request_id, message.token, message.engine_id, message.block_ids, now
+                    )
+                if until is None:
+                    return wire.ErrorReply(message="stage refused: not_claimed")
+                return self.stager.answer(message, until, self.epoch)
             case wire.Abort():
                 with self._lock:
                     taken = self._leases.abort(message.request_id, message.token)
@@ -153,7 +172,10 @@ class PrefillWorker:
                 return wire.ErrorReply(message=f"unexpected {type(message).__name__}")
 
     def _take_note(self, msg: wire.Notify, now: float) -> bool:
-        return self._leases.notified(msg.request_id, msg.token, msg.engine_id, str(msg.worker), msg.expected, now)
+        taken = self._leases.notified(msg.request_id, msg.token, msg.engine_id, str(msg.worker), msg.expected, now)
+        if taken and self.stager is not None:  # its reader is done: its staging slots are free
+            self.stager.finish(msg.request_id, msg.engine_id, str(msg.worker))
+        return taken
 
     def finished(self, wait_s: float = 0.0) -> tuple[set[str], int]:
         """(ids whose blocks may be freed now, leases expired since the last call). Makes progress too, unless
@@ -191,6 +213,8 @@ class PrefillWorker:
         if self._server is not None:
             self._server.close()
         self.transport.close()
+        if self.stager is not None:
+            self.stager.close()
 
     def _run(self) -> None:
         unpin_this_thread()  # light work: never wait behind vLLM's spinning, pinned worker threads
@@ -238,6 +262,8 @@ class PrefillWorker:
             self._expired_new += len(expired)
             if decoded or done or expired:
                 self._changed.notify_all()
+        if self.stager is not None:  # sessions of requests freed, or whose pin lapsed, give their slots back
+            self.stager.drop(done | expired, now)
         if expired:
             logger.warning("kvbridge prefill %s: lease expired for %s", self.identity, sorted(expired))
         return active or bool(done or expired)

@@ -185,6 +185,16 @@ def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
                 break
             time.sleep(0.01)
         report = {"released": released, "expired": expired, "at": at, "counts": worker.lease_counts()}
+        if worker.stager is not None:  # the staged path: what it gathered, and whether every slot came back
+            stager = worker.stager
+            report["staging"] = {
+                "gathered_bytes": stager.gathered_bytes,
+                "sessions": stager.sessions,
+                "free_slots": stager.free_slots,
+                "num_slots": stager.num_slots,
+                "buffer_bytes": stager.buffer.nbytes,
+                "refused": stager.refused,
+            }
         finished.put(("final", str(rank), report))
     finally:
         worker.close()
@@ -267,6 +277,8 @@ def _decode_main(scenario, rank, config, source, results, warm_barrier):
                 # the same span in CLOCK_MONOTONIC, which every process on the host shares: workers' spans compare
                 "warm_window": (warm_start, warm_end) if warm_start is not None else None,
                 "concurrent": scenario.concurrent,
+                "staged_parts": worker.nixl.staged.staged_parts if worker.nixl.staged else 0,
+                "staged_fallbacks": worker.nixl.staged.fallbacks if worker.nixl.staged else 0,
             }
         )
     finally:

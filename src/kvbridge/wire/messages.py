@@ -323,6 +323,12 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     """Random per start of the worker: a claim's Ack carries it too, so a reader notices a restarted peer (new
     memory, new agent) behind a cached connection and handshakes again."""
 
+    staging: Region | None = None
+    """The worker's registered staging buffer for the staged NIXL path (`Stage`), or None: it offers none."""
+
+    staging_slot_bytes: NonNegative = 0
+    """The largest chunk it stages at once (a slot of `staging`); 0: no staged path."""
+
     def __post_init__(self) -> None:
         _check_worker(self)
         _page_format(self.memory.layers)
@@ -342,6 +348,8 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         host_id: str = "",
         ipc: tuple[mem.IpcHandle, ...] = (),
         epoch: str = "",
+        staging: mem.Region | None = None,
+        staging_slot_bytes: int = 0,
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -355,6 +363,8 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             host_id=host_id,
             ipc=tuple(IpcRegion.from_core(h) for h in ipc),
             epoch=epoch,
+            staging=None if staging is None else Region.from_core(staging),
+            staging_slot_bytes=staging_slot_bytes,
         )
 
     def page_format(self) -> tuple[int, int]:
@@ -430,6 +440,51 @@ class Abort(_Message, tag="abort", kw_only=True):
     token: Secret = ""
 
 
+MAX_STAGE_SEGMENTS = 1 << 14
+"""The most segments one `Stage` names (heads split per token in a 128-token block, 64 layers: 8192)."""
+
+Address = Annotated[int, msgspec.Meta(ge=0, lt=1 << 56)]
+
+
+class Stage(_Message, tag="stage", kw_only=True):
+    """Decode worker -> prefill worker, after a granted claim (staged NIXL path): gather chunk `chunk` of this
+    reader's part of the request into the staging buffer, and answer where it is (`Staged`).
+
+    The part is the runs `length[k]` bytes at `src_addr[k] + b * block_stride[k]` for every block b of `block_ids`
+    (in that order), laid out segment-major in chunks of at most `chunk_bytes` (`core.staging.StageLayout`); the
+    prefill worker checks every run against its registered memory and the blocks against the claim. `released`:
+    the reader has read (and NIXL let go of) every chunk below it, so their slots may be reused. The segments are
+    needed only on the first Stage of a request (an empty `src_addr` refers to that one). Repeats are answered
+    alike."""
+
+    request_id: Id
+    engine_id: Id
+    worker: Worker
+    token: Secret = ""
+    block_ids: Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=1 << 16)] = ()
+    src_addr: Annotated[tuple[Address, ...], msgspec.Meta(max_length=MAX_STAGE_SEGMENTS)] = ()
+    block_stride: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=1, lt=1 << 40)], ...], msgspec.Meta(max_length=MAX_STAGE_SEGMENTS)
+    ] = ()
+    length: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)], ...], msgspec.Meta(max_length=MAX_STAGE_SEGMENTS)
+    ] = ()
+    chunk_bytes: Positive = 1
+    chunk: NonNegative = 0
+    released: NonNegative = 0
+
+
+class Staged(_Message, tag="staged", kw_only=True):
+    """The answer to `Stage`: chunk `chunk` (of `chunks`) lies at `offset` in the staging buffer, `nbytes` long."""
+
+    request_id: str = ""
+    chunk: NonNegative = 0
+    chunks: NonNegative = 0
+    offset: NonNegative = 0
+    nbytes: NonNegative = 0
+    epoch: str = ""
+
+
 class Ack(_Message, tag="ack", kw_only=True):
     """The answer to `Claim`, `Notify` and `Abort`; `epoch` is the answering worker's (see HandshakeReply)."""
 
@@ -443,7 +498,9 @@ class ErrorReply(_Message, tag="error", kw_only=True):
     message: str
 
 
-Message = HandshakeRequest | HandshakeReply | HandshakeRefused | Notify | Claim | Abort | Ack | ErrorReply
+Message = (
+    HandshakeRequest | HandshakeReply | HandshakeRefused | Notify | Claim | Abort | Stage | Staged | Ack | ErrorReply
+)
 MESSAGE_TYPES: tuple[type[_Message], ...] = (
     HandshakeRequest,
     HandshakeReply,
@@ -451,6 +508,8 @@ MESSAGE_TYPES: tuple[type[_Message], ...] = (
     Notify,
     Claim,
     Abort,
+    Stage,
+    Staged,
     Ack,
     ErrorReply,
 )
