@@ -67,6 +67,9 @@ class LayerKV:
     group: int = 0
     """The layer's KV-cache group (vLLM's hybrid KV-cache manager): its blocks are named by that group's block
     ids. Layers of different groups may alias the same bytes (`core.groups`)."""
+    state: bool = False
+    """A state layer (Mamba): each block is one TP rank's state page (conv + SSM state, opaque bytes: `row_bytes`
+    of them, in one head of one token), copied whole between workers of the same TP rank (`core.segments`)."""
 
     def __post_init__(self) -> None:
         if self.group < 0:
