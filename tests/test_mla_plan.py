@@ -192,10 +192,10 @@ def test_what_kvbridge_cannot_move_is_refused_naming_it():
     narrow = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
     with pytest.raises(ConfigError, match=r"KV-cache groups \(FullAttentionSpec \(1 layers\), SlidingWindowSpec.*page"):
         geometry(vllm_config(1, 4, 32), "float32", 128, kv_cache_config(full, narrow))
+    # Mamba state groups beside attention groups are moved (tests/test_mamba_state.py); state alone is refused
     mamba = MambaSpec(block_size=1024, shapes=((3, 64),), dtypes=(torch.float32,))
-    with pytest.raises(ConfigError, match="MambaSpec is unsupported with several groups"):
-        geometry(vllm_config(1, 4, 32), "float32", 128, kv_cache_config(full, mamba))
-    with pytest.raises(ConfigError, match="KV-cache spec MambaSpec is unsupported"):
+    assert geometry(vllm_config(1, 4, 32), "float32", 128, kv_cache_config(mamba, full)).block_size == 128
+    with pytest.raises(ConfigError, match="Mamba state only"):
         geometry(vllm_config(1, 4, 32), "float32", 1024, kv_cache_config(mamba))
     with pytest.raises(ConfigError, match="block_size is 128 but the KV tensors' is 16"):
         geometry(vllm_config(1, 4, 32), "float32", 16, kv_cache_config(full))

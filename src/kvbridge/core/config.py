@@ -127,6 +127,12 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     pending or blocks are held; that busy loop left other processes' threads (a prefill worker's side channel on
     a shared core) 15 s on the run queue. A request arriving meanwhile waits at most this long. 0: off."""
 
+    peer_tp: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
+    """The TP size of the instances on the other side (the prefill instances of a decode, the decode instances of
+    a prefill; both of a kv_both). Checked at startup for models whose cache holds state (Mamba), which kvbridge
+    moves only between equal TP sizes: another size is refused naming the layout. None: each handshake compares
+    the state pages (`state_bytes`), so a peer of another TP size is refused then."""
+
     def check_role(self, producer: bool, consumer: bool) -> None:
         """Refuse settings that contradict each other for this role (ConfigError naming both keys)."""
         if self.nixl_staging_bytes and self.nixl_staging_bytes < 2 * self.nixl_staging_chunk_bytes:

@@ -15,6 +15,11 @@ the others, always at the start of the list (`SlidingWindowManager`). Both sides
 - Decode side (`load_pairs`): per group, each block position the load writes whose local block is not null,
   paired with the remote block at that position (the remote list is aligned to the prompt's end). A position the
   decode needs that the prefill no longer holds is refused, never read from another block.
+- State groups (Mamba2's conv + SSM state, vLLM's `MambaSpec` with `mamba_cache_mode` "none"): a request holds one
+  running-state block (then vLLM's speculative scratch blocks), whatever its length: the state after the request's
+  computed tokens, not per-token KV. So it is published and loaded whole, as one block, and the token accounting
+  changes (`computed_tokens`): vLLM recomputes the last prompt token on the decode side, which must not be applied
+  to a state twice, so the prefill computes the first N-1 prompt tokens and the decode loads those N-1.
 - Worker side: one load carries all groups' pairs as *group-tagged* block ids (`tag`: `group << GROUP_SHIFT |
   block id`; group 0's ids are the plain ids, so a one-group model's lists are what they always were), and
   `core.descriptors.worker_descriptors` splits them again (`untag`) to copy each layer with its group's pairs.
@@ -41,20 +46,31 @@ MAX_GROUPS = 64
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """One KV-cache group: its block size and, for a sliding-window group, its window in tokens (0: full)."""
+    """One KV-cache group: its block size and, for a sliding-window group, its window in tokens (0: full);
+    `state`: a group of state pages (Mamba), one running-state block per request (see the module docstring)."""
 
     block_size: int
     sliding_window: int = 0
+    state: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise LayoutError(f"a KV-cache group's block_size must be positive, got {self.block_size}")
         if self.sliding_window < 0:
             raise LayoutError(f"a sliding window must be non-negative, got {self.sliding_window}")
+        if self.state and self.sliding_window:
+            raise LayoutError("a state group has no sliding window")
 
     def num_blocks(self, num_tokens: int) -> int:
-        """Blocks of `num_tokens` tokens (the last one partial)."""
+        """Blocks of `num_tokens` tokens (the last one partial); a state group's one block."""
+        if self.state:
+            return 1 if num_tokens > 0 else 0
         return -(-num_tokens // self.block_size)
+
+    def first_block(self, cached_tokens: int) -> int:
+        """The first block position a load writes when `cached_tokens` are cached locally: a state group's block
+        is always loaded whole (a state covers every token before it)."""
+        return 0 if self.state else cached_tokens // self.block_size
 
     def skipped_blocks(self, num_tokens: int) -> int:
         """Leading blocks vLLM's sliding-window manager has freed (null) once `num_tokens` are computed:
@@ -66,6 +82,17 @@ class CacheGroup:
     def live_blocks(self, num_tokens: int) -> int:
         """Blocks of `num_tokens` tokens this group still holds (not null)."""
         return self.num_blocks(num_tokens) - min(self.skipped_blocks(num_tokens), self.num_blocks(num_tokens))
+
+
+def has_state(groups: Sequence[CacheGroup]) -> bool:
+    return any(g.state for g in groups)
+
+
+def computed_tokens(groups: Sequence[CacheGroup], num_prompt: int) -> int:
+    """Prompt tokens a prefill computes and a decode loads, of a prompt of `num_prompt` tokens: all of them, or
+    with a state group all but the last (vLLM's decode recomputes the last prompt token after a load, which would
+    apply it to the state twice). 0: nothing is moved (a one-token prompt with state: the decode computes it)."""
+    return num_prompt - 1 if has_state(groups) else num_prompt
 
 
 def check_groups(groups: Sequence[CacheGroup]) -> None:

@@ -81,6 +81,9 @@ class LayerKV:
     only ever copied whole (then the two sides' block sizes must be equal)."""
     itemsize: int = 1
     """Bytes of one channel (element): what a channel-major page is addressed in."""
+    state: bool = False
+    """A state layer (Mamba): each block is one TP rank's state page (conv + SSM state, opaque bytes: `row_bytes`
+    of them, in one head of one token), copied whole between workers of the same TP rank (`core.segments`)."""
 
     def __post_init__(self) -> None:
         if self.group < 0:

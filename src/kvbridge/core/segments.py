@@ -113,11 +113,18 @@ def worker_segments(
     group: int | None = None,
 ) -> dict[WorkerRank, Segments]:
     """Every segment one decode worker copies, grouped by the prefill worker it reads (plan order); with `group`,
-    only those of the layers of that KV-cache group (IncompatiblePeerError if the peer's layer is in another)."""
+    only those of the layers of that KV-cache group (IncompatiblePeerError if the peer's layer is in another).
+
+    A state layer (Mamba) is no KV heads but one TP rank's state: its page is copied whole, once, from the prefill
+    worker of the same TP rank (`state_segments`)."""
     heads = plan.geometry.num_kv_heads
     dst_first = plan.decode.kv_heads(heads, decode_worker.tp).start
     grouped: dict[WorkerRank, list[Segments]] = {}
-    for read in plan.reads_of(decode_worker):
+    state = {lk.layer for lk in dst.layers if lk.state}
+    reads = plan.reads_of(decode_worker)
+    if state:
+        reads = state_reads(plan, decode_worker, dst, sources, group, grouped)
+    for read in reads:
         pw = read.prefill_worker
         src_first = plan.prefill.kv_heads(heads, pw.tp).start
         head = read.kv_heads[0]
@@ -135,3 +142,43 @@ def worker_segments(
             for layer in layers
         )
     return {pw: Segments.concat(parts) for pw, parts in grouped.items()}
+
+
+def state_reads(
+    plan: TransferPlan,
+    decode_worker: WorkerRank,
+    dst: WorkerMemory,
+    sources: dict[WorkerRank, WorkerMemory],
+    group: int | None,
+    grouped: dict[WorkerRank, list[Segments]],
+) -> tuple:
+    """The plan's reads of `decode_worker` without its state layers, whose whole pages are put in `grouped` first
+    (each under the read of the same TP rank that holds it; every prefill worker read keeps its place in plan order).
+    IncompatiblePeerError unless both sides have equal TP sizes and every state layer has such a read."""
+    from dataclasses import replace
+
+    state = {lk.layer for lk in dst.layers if lk.state}
+    if plan.prefill.tp != plan.decode.tp:
+        raise IncompatiblePeerError("tp (Mamba state layers)", plan.decode.tp, plan.prefill.tp)
+    reads = plan.reads_of(decode_worker)
+    done: set[int] = set()
+    for read in reads:
+        pw = read.prefill_worker
+        grouped.setdefault(pw, [])
+        if pw.tp != decode_worker.tp:
+            continue
+        for n in read.layers:
+            if n not in state or n in done:
+                continue
+            src, lk = sources[pw].layer(n), dst.layer(n)
+            if not src.state:
+                raise IncompatiblePeerError(f"layer {n} state", True, False)
+            done.add(n)
+            if group is None or lk.group == group:
+                if src.group != lk.group:
+                    raise IncompatiblePeerError(f"layer {n} KV-cache group", lk.group, src.group)
+                grouped[pw].append(layer_segments(src, lk, 0, 0, 1))
+    missing = sorted(n for r in reads for n in r.layers if n in state and n not in done)
+    if missing:
+        raise IncompatiblePeerError(f"layer {missing[0]} state: a read from tp rank {decode_worker.tp}", "one", "none")
+    return tuple(replace(r, layers=tuple(n for n in r.layers if n not in state)) for r in reads)

@@ -19,7 +19,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvbridge.core.config import BridgeConfig
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgePromMetrics, KVBridgeStats
-from kvbridge.vllm.vllm_facts import cache_spec
+from kvbridge.vllm.vllm_facts import check_state_layout
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
         config = BridgeConfig.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        cache_spec(kv_cache_config)  # refuses, at startup, a KV cache kvbridge cannot move (ConfigError naming it)
+        # refuses, at startup, a KV cache or layout kvbridge cannot move (ConfigError naming it)
+        check_state_layout(vllm_config, config, kv_cache_config)
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -66,6 +67,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(vllm_config, config, kv_cache_config)
 
     # -- scheduler side --------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """A model with state (Mamba): a remote-decode request computes all but its last prompt token here."""
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -6,6 +6,10 @@ allocated; otherwise prefill locally (kv_load_failure_policy=recompute) or fail 
 read (fail), and count why. Then ask vLLM for blocks and queue one load per request for the workers. Prefill
 role: when a request asked for remote decode finishes, keep its blocks and answer with where they are, bound to
 the prompt, with a secret token for the reader, signed.
+
+A model with state (Mamba) moves the state after N-1 of a prompt's N tokens (`core.groups.computed_tokens`): the
+prefill drops a remote-decode request's last prompt token when it arrives (`on_new_request`), and the params bind
+the N-1 tokens it computed; the decode loads those and computes the last token itself.
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.core.config import BridgeConfig, is_loopback
 from kvbridge.core.errors import ParamsRefused, RequestParamsError
-from kvbridge.core.groups import check_remote_lists, load_pairs, prefill_lists, published_blocks, tagged_lists
+from kvbridge.core.groups import (
+    check_remote_lists,
+    computed_tokens,
+    has_state,
+    load_pairs,
+    prefill_lists,
+    published_blocks,
+    tagged_lists,
+)
 from kvbridge.core.token_runs import span_of
 from kvbridge.runtime.decode_worker import LoadJob
 from kvbridge.vllm.metadata import KVBridgeMetadata
@@ -68,6 +80,9 @@ class SchedulerSide:
         """The KV-cache groups, when there are several (vLLM's hybrid KV-cache manager); else () (one group)."""
         if len(self.groups) == 1:
             self.groups = ()
+        self.state = has_state(self.groups)
+        """A group holds state (Mamba): N-1 prompt tokens are moved (`computed_tokens`)."""
+        self._truncated: set[str] = set()  # prefill: requests whose last prompt token was dropped
         self.engine_id = str(kv.engine_id)
         self.layout, self.dp_rank = engine_layout(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -87,6 +102,33 @@ class SchedulerSide:
         self._seen: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._refused_keys: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._stats = KVBridgeStats()
+
+    def _moved(self, request: Request) -> int:
+        """Prompt tokens a load of `request` covers (decode side): all, or N-1 with state."""
+        return computed_tokens(self.groups, len(request.prompt_token_ids or ()))
+
+    # -- prefill role (state) ------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """With state (Mamba): a request asking for remote decode computes all but its last prompt token here, so
+        that the published state covers N-1 tokens and the decode's recompute of the last one applies it once.
+        vLLM's `Request` has no API to shorten a prompt: its token lists and count are cut in place, and it
+        samples one token (from N-1 tokens; a prefill's sampled token is never used)."""
+        params = request.kv_transfer_params
+        if not (self.state and self.is_producer and wants_remote_decode(params)):
+            return
+        prompt = request.prompt_token_ids
+        if prompt is None or len(prompt) < 2 or request.request_id in self._truncated:
+            return  # prompt embeddings, or one token: nothing is published (request_finished)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return  # prompt logprobs: a decode computes the whole prompt
+        del prompt[-1:]
+        all_ids = getattr(request, "_all_token_ids", None)
+        if all_ids is not None and all_ids is not prompt:
+            del all_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        self._truncated.add(request.request_id)
 
     # -- decode role ---------------------------------------------------------------------------------
 
@@ -141,7 +183,7 @@ class SchedulerSide:
         now = time.time()
         check_binding(
             source,
-            request.prompt_token_ids or (),
+            (request.prompt_token_ids or ())[: self._moved(request)],
             key=self.key,
             now=now,
             max_workers=self.config.max_remote_workers,
@@ -163,7 +205,7 @@ class SchedulerSide:
             if not self.groups:
                 raise ParamsRefused("blocks", "remote_group_block_ids: several KV-cache groups, this engine has one")
             try:
-                check_remote_lists(self.groups, source.group_block_ids, len(request.prompt_token_ids or ()))
+                check_remote_lists(self.groups, source.group_block_ids, self._moved(request))
             except RequestParamsError as exc:
                 raise ParamsRefused("blocks", str(exc)) from None
             return
@@ -192,12 +234,14 @@ class SchedulerSide:
         return source
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The prompt tokens a load brings beyond those computed here: all of them, or with state all but the
+        last (the decode computes it on top of the loaded state: `computed_tokens`)."""
         if self._source(request) is None:
             if request.request_id in self._refused:  # policy fail: a load that fails at once, reading nothing
-                count = len(request.prompt_token_ids or ()) - num_computed_tokens
+                count = max(self._moved(request), 1) - num_computed_tokens
                 return (count, True) if count > 0 else (0, False)
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = self._moved(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -237,10 +281,10 @@ class SchedulerSide:
         first uncached block on, paired with the prefill's at the same position, in one job of group-tagged ids.
         A block needed here that the prefill no longer holds fails the load (and frees the prefill's blocks)."""
         local = blocks.get_block_ids()
-        prompt = len(request.prompt_token_ids or ())
+        prompt = self._moved(request)
         try:
             pairs = [
-                load_pairs(group, local[i], remote, prompt, (prompt - num_external) // group.block_size)
+                load_pairs(group, local[i], remote, prompt, group.first_block(prompt - num_external))
                 for i, (group, remote) in enumerate(zip(self.groups, source.group_block_ids, strict=True))
             ]
             remote_ids, local_ids = tagged_lists(pairs)
@@ -290,6 +334,9 @@ class SchedulerSide:
             return False, None
         if not (self.is_producer and wants_remote_decode(params)):
             return False, None
+        if self.state and request.request_id not in self._truncated:
+            return False, None  # its state covers every prompt token: a decode would apply the last one twice
+        self._truncated.discard(request.request_id)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
         prompt = request.prompt_token_ids

@@ -48,8 +48,9 @@ def cache_spec(kv_cache_config: KVCacheConfig | None):
     """The attention spec of the engine's one KV-cache group, or None without a KV-cache config.
 
     ConfigError, naming what is unsupported, for anything kvbridge cannot move: several KV-cache groups (vLLM's
-    hybrid KV-cache manager) other than full-attention and sliding-window groups of one page format, state (Mamba)
-    or cross-attention caches, several specs in one group. With several groups, the first group's spec.
+    hybrid KV-cache manager) other than full-attention and sliding-window groups of one page format and Mamba
+    state groups (`check_state_groups`), a cache of state only, cross-attention caches, several specs in one group.
+    With several groups, the first attention group's spec.
     """
     if kv_cache_config is None:
         return None
@@ -57,13 +58,17 @@ def cache_spec(kv_cache_config: KVCacheConfig | None):
         AttentionSpec,
         CrossAttentionSpec,
         EncoderOnlyAttentionSpec,
+        MambaSpec,
         UniformTypeKVCacheSpecs,
     )
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         _check_hybrid_groups(groups)
-    spec = groups[0].kv_cache_spec
+    attention = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)]
+    if not attention:
+        raise ConfigError("kvbridge: a KV cache of Mamba state only (no attention layers) is unsupported")
+    spec = attention[0].kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
         specs = {type(s).__name__ for s in spec.kv_cache_specs.values()}
         raise ConfigError(f"kvbridge: layers of one KV-cache group with different specs ({sorted(specs)}): unsupported")
@@ -74,9 +79,9 @@ def cache_spec(kv_cache_config: KVCacheConfig | None):
 
 def _check_hybrid_groups(groups) -> None:
     """Several KV-cache groups (vLLM's hybrid KV-cache manager): kvbridge moves full-attention and sliding-window
-    groups whose pages have one format (heads, head sizes, dtype, block size), every group transferred; anything
-    else is refused naming the groups."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    groups whose pages have one format (heads, head sizes, dtype, block size), and Mamba state groups, every group
+    transferred; anything else is refused naming the groups."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     from kvbridge.core.groups import MAX_GROUPS
 
@@ -86,23 +91,70 @@ def _check_hybrid_groups(groups) -> None:
     odd = [
         type(g.kv_cache_spec).__name__
         for g in groups
-        if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec)
+        if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec, MambaSpec)
     ]
     if odd:
         raise ConfigError(
             f"kvbridge: KV-cache groups ({kinds}): {odd[0]} is unsupported with several groups "
-            "(full-attention and sliding-window groups only)"
+            "(full-attention, sliding-window and Mamba groups only)"
         )
+    for g in groups:
+        if isinstance(g.kv_cache_spec, MambaSpec):
+            _check_state_spec(g.kv_cache_spec)
     if not all(getattr(g, "enable_kv_transfer", True) for g in groups):
         raise ConfigError(f"kvbridge: KV-cache groups ({kinds}): a group vLLM does not transfer is unsupported")
     page = {
         (s.num_kv_heads, s.head_size, s.head_size_v, str(s.dtype), s.block_size)
         for s in (g.kv_cache_spec for g in groups)
+        if not isinstance(s, MambaSpec)
     }
-    if len(page) != 1:
+    if len(page) > 1:
         raise ConfigError(
             f"kvbridge: KV-cache groups ({kinds}) with different page formats (heads, head sizes, dtype, block size): "
             f"{sorted(page)}: unsupported"
+        )
+
+
+def _check_state_spec(spec) -> None:
+    """A Mamba group kvbridge moves: one running-state block per request (`mamba_cache_mode` "none", vLLM's mode
+    without prefix caching), its page opaque bytes (conv state, SSM state, padding)."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "none":
+        raise ConfigError(
+            f"kvbridge: Mamba state groups (MambaSpec) with mamba_cache_mode={mode!r} (prefix caching) are "
+            "unsupported; use --no-enable-prefix-caching"
+        )
+
+
+def state_groups(kv_cache_config: KVCacheConfig | None) -> tuple[int, ...]:
+    """Indexes of the engine's KV-cache groups of state pages (Mamba)."""
+    if kv_cache_config is None:
+        return ()
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return tuple(i for i, g in enumerate(kv_cache_config.kv_cache_groups) if isinstance(g.kv_cache_spec, MambaSpec))
+
+
+def check_state_layout(vllm_config: VllmConfig, config: BridgeConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """At startup: `cache_spec`'s refusals, and for a cache with state (Mamba) the layouts kvbridge cannot move it
+    between: a state page is one TP rank's shard of the conv and SSM states, copied as opaque bytes to the decode
+    worker of the same TP rank, so both sides need the same TP size (`peer_tp`; PP may differ) and no KV head may be
+    replicated over TP ranks (the attention plan could then read a stage from another rank). ConfigError naming the
+    layout; resharding conv/SSM state across TP sizes is not built."""
+    spec = cache_spec(kv_cache_config)
+    if not state_groups(kv_cache_config):
+        return
+    layout, _ = engine_layout(vllm_config)
+    if config.peer_tp is not None and config.peer_tp != layout.tp:
+        raise ConfigError(
+            f"kvbridge: Mamba state (MambaSpec) moves only between equal TP sizes: this engine is {layout}, its peers "
+            f"tp={config.peer_tp} (peer_tp): unsupported (no conv/SSM state resharding)"
+        )
+    heads = vllm_config.model_config.get_total_num_kv_heads()
+    if spec is not None and layout.tp > heads:
+        raise ConfigError(
+            f"kvbridge: Mamba state (MambaSpec) with tp={layout.tp} above the model's {heads} KV heads (replicated "
+            "heads) is unsupported"
         )
 
 
@@ -114,13 +166,13 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> tuple:
 
     if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1:
         return (CacheGroup(1),) if kv_cache_config is None else (CacheGroup(cache_spec(kv_cache_config).block_size),)
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     cache_spec(kv_cache_config)
     return tuple(
         CacheGroup(g.kv_cache_spec.block_size, g.kv_cache_spec.sliding_window)
         if isinstance(g.kv_cache_spec, SlidingWindowSpec)
-        else CacheGroup(g.kv_cache_spec.block_size)
+        else CacheGroup(g.kv_cache_spec.block_size, state=isinstance(g.kv_cache_spec, MambaSpec))
         for g in kv_cache_config.kv_cache_groups
     )
 

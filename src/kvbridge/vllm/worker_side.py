@@ -20,7 +20,7 @@ from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.transport.torch_memory import memory_from_tensors, physical_order, region_tensors
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
-from kvbridge.vllm.vllm_facts import engine_layout, geometry, page_format, worker_rank
+from kvbridge.vllm.vllm_facts import engine_layout, geometry, page_format, state_groups, worker_rank
 from kvbridge.wire.auth import load_key
 
 if TYPE_CHECKING:
@@ -57,12 +57,13 @@ def check_block_split(memory_blocks: list[int], config_blocks: int | None, block
         )
 
 
-def grouped_memory(kv_caches: dict, kv_cache_config, layer_index) -> WorkerMemory:
+def grouped_memory(kv_caches: dict, kv_cache_config, layer_index, state: tuple[int, ...] = ()) -> WorkerMemory:
     """The worker's KV memory, each layer with its KV-cache group from vLLM's KV-cache config.
 
     One group: `memory_from_tensors` as it always was. Several (vLLM's hybrid KV-cache manager): the groups'
     tensors alias one pool (layer i of every group shares bytes), so layers are taken group by group from the
-    config's layer names, never de-duplicated by address; ConfigError for a KV tensor of no group."""
+    config's layer names, never de-duplicated by address; ConfigError for a KV tensor of no group. The layers of
+    the groups in `state` (Mamba) are state layers (`LayerKV.state`)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     if len(groups) <= 1:
         return memory_from_tensors(kv_caches, layer_index)
@@ -81,7 +82,7 @@ def grouped_memory(kv_caches: dict, kv_cache_config, layer_index) -> WorkerMemor
             region = part.regions[lk.region]
             if region not in regions:
                 regions.append(region)
-            layers.append(dataclasses.replace(lk, region=regions.index(region), group=index))
+            layers.append(dataclasses.replace(lk, region=regions.index(region), group=index, state=index in state))
     stray = sorted(set(kv_caches) - named)
     if stray:
         raise ConfigError(f"kvbridge: KV tensors of layers in no KV-cache group: {stray[:3]}")
@@ -112,7 +113,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        memory = grouped_memory(kv_caches, self.kv_cache_config, extract_layer_index)
+        state = state_groups(self.kv_cache_config)
+        memory = grouped_memory(kv_caches, self.kv_cache_config, extract_layer_index, state)
         memory = with_page_format(memory, page_format(self.vllm_config), next(iter(kv_caches.values())).element_size())
         if memory.num_groups > 1 and prepared_lists(self.config):
             raise ConfigError(
@@ -134,7 +136,7 @@ class WorkerSide:
             geometry(
                 self.vllm_config,
                 str(first.dtype).removeprefix("torch."),
-                memory.layers[0].block_size,
+                next(lk for lk in memory.layers if not lk.state).block_size,
                 self.kv_cache_config,
             ),
             physical_order(memory),

@@ -169,6 +169,7 @@ class Layer(_Struct, kw_only=True):
     group: Annotated[int, msgspec.Meta(ge=0, lt=64)] = 0  # its KV-cache group (core.groups); 0 from older peers
     page_format: str = ""  # where a page keeps each token (core.token_runs); "" from older peers
     itemsize: Positive = 1
+    state: bool = False  # a state layer (Mamba): one opaque page of row_bytes per block (memory.LayerKV)
 
     @classmethod
     def from_core(cls, lk: mem.LayerKV) -> Layer:
@@ -256,6 +257,9 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
     token_layout: str = ""
     """The decode worker's page format (`core.token_runs`): with different block sizes both sides' must be one
     whose tokens can be addressed."""
+    state_bytes: NonNegative = 0
+    """Bytes of the decode worker's state pages (Mamba layers; 0: none): one TP rank's conv and SSM state, so a
+    peer of another TP size (or another state dtype or conv layout) has another size and is refused."""
 
     def __post_init__(self) -> None:
         _check_worker(self)
@@ -284,6 +288,7 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
             num_planes=num_planes,
             target=None if target is None else Worker.from_core(*target),
             token_layout=_token_format(memory.layers),
+            state_bytes=_state_bytes(Memory.from_core(memory).layers),
         )
 
     def page_format(self) -> tuple[int, int]:
@@ -292,6 +297,8 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
 
     def token_format(self) -> str:
         return self.token_layout
+    def state_format(self) -> int:
+        return self.state_bytes
 
 
 class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
@@ -332,6 +339,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     def __post_init__(self) -> None:
         _check_worker(self)
         _page_format(self.memory.layers)
+        _state_bytes(self.memory.layers)
 
     @classmethod
     def build(
@@ -368,12 +376,15 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         )
 
     def page_format(self) -> tuple[int, int]:
-        """(num_planes, row_bytes), shared by every layer."""
+        """(num_planes, row_bytes), shared by every attention layer."""
         return _page_format(self.memory.layers)
 
     def token_format(self) -> str:
         """Where the pages keep each token (`core.token_runs`), shared by every layer."""
         return _token_format(self.memory.layers)
+    def state_format(self) -> int:
+        """Bytes of a state page (0: no state layers)."""
+        return _state_bytes(self.memory.layers)
 
 
 class HandshakeRefused(_Message, tag="handshake_refused", kw_only=True):
@@ -591,7 +602,8 @@ def check_compatible(ours: Peer, theirs: Peer) -> None:
 
     Compared, in order: protocol_version, the geometry (num_layers, num_kv_heads, head_size, dtype, kernel;
     then a quantized cache's k_scale and v_scale on the layers both hold), block_size (which may differ where both
-    sides' pages keep tokens addressable: `core.token_runs`), and the page format (num_planes, row_bytes).
+    sides' pages keep tokens addressable: `core.token_runs`), the page format (num_planes, row_bytes) and, where
+    both hold state layers (Mamba), the state pages' size (`state_bytes`).
     The physical layout names (`kv_layout`) may differ: descriptors are computed
     from strides. Then each side's own handshake must agree with itself (ProtocolError otherwise): its layout must
     fit the geometry and hold its worker, and a reply's memory must hold every layer of its stage with the KV
@@ -613,6 +625,8 @@ def check_compatible(ours: Peer, theirs: Peer) -> None:
     for field, mine, other in pages:
         if mine != other:
             raise IncompatiblePeerError(field, mine, other)
+    if ours.state_format() and theirs.state_format() and ours.state_format() != theirs.state_format():
+        raise IncompatiblePeerError("state_bytes", ours.state_format(), theirs.state_format())
     for peer in (ours, theirs):
         problem = next(_inconsistencies(peer), None)
         if problem is not None:
@@ -650,6 +664,10 @@ def _inconsistencies(peer: Peer) -> Iterator[str]:
     for layer in held.values():
         if layer.layer >= geometry.num_layers:
             yield f"layer {layer.layer} is outside the model's {geometry.num_layers} layers"
+        if layer.state:
+            if (layer.num_heads, layer.block_size, layer.num_planes) != (1, 1, 1):
+                yield f"state layer {layer.layer} is not one page per block"
+            continue
         if layer.num_heads != heads:
             yield f"layer {layer.layer} holds {layer.num_heads} KV heads, tp rank {rank.tp} has {heads}"
         if layer.block_size != geometry.block_size:
@@ -661,7 +679,7 @@ def _check_worker(peer: Peer) -> None:
 
 
 def _page_format(layers: tuple[Layer, ...]) -> tuple[int, int]:
-    formats = {(layer.num_planes, layer.row_bytes) for layer in layers}
+    formats = {(layer.num_planes, layer.row_bytes) for layer in layers if not layer.state}
     if len(formats) != 1:
         raise LayoutError(f"layers must share one (num_planes, row_bytes) page format, got {sorted(formats)}")
     return formats.pop()
@@ -672,6 +690,12 @@ def _token_format(layers) -> str:
     if len(formats) != 1:
         raise LayoutError(f"layers must share one page_format, got {sorted(formats)}")
     return formats.pop()
+def _state_bytes(layers: tuple[Layer, ...]) -> int:
+    """The state layers' page bytes (one size for all), or 0 without state layers."""
+    sizes = {layer.row_bytes for layer in layers if layer.state}
+    if len(sizes) > 1:
+        raise LayoutError(f"state layers must share one page size, got {sorted(sizes)}")
+    return sizes.pop() if sizes else 0
 
 
 def _plain(value: object) -> object:

@@ -19,7 +19,8 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
     remote_port         side-channel base port; each worker listens on a port derived from it
     remote_dp_rank      the prefill engine's DP rank (kvbridge)
     remote_layout       the prefill layout, e.g. "pp=2,tp=1" (kvbridge)
-    remote_num_tokens   prompt tokens whose KV the prefill computed
+    remote_num_tokens   prompt tokens whose KV the prefill computed: all N, or N-1 for a model with state (Mamba),
+                        whose decode computes the last one (`core.groups.computed_tokens`)
     remote_block_size   tokens per prefill block (kvbridge): may differ from the decode's (`core.token_runs`)
     tp_size, pp_size    the prefill layout as NixlConnector reports it
     kvbridge_protocol   kvbridge's wire protocol version (kvbridge)
@@ -30,9 +31,10 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
     remote_expires      unix time after which the prefill no longer holds the blocks for an unclaimed read
     kvbridge_sig        HMAC of all the above with the deployment key (absent without a key)
 
-A decode instance loads the KV only for a request whose prompt has `remote_num_tokens` tokens hashing, with its
-`kv_extras`, to `remote_prompt_hash` (`check_binding`), and with a key only params the prefill signed, unexpired;
-otherwise the request is prefilled locally (or fails under kv_load_failure_policy=fail), and a counter says why.
+A decode instance loads the KV only for a request whose prompt (its first N-1 tokens with state) has
+`remote_num_tokens` tokens hashing, with its `kv_extras`, to `remote_prompt_hash` (`check_binding`), and with a
+key only params the prefill signed, unexpired; otherwise the request is prefilled locally (or fails under
+kv_load_failure_policy=fail), and a counter says why.
 """
 
 from __future__ import annotations
