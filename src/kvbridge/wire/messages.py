@@ -297,6 +297,7 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
 
     def token_format(self) -> str:
         return self.token_layout
+
     def state_format(self) -> int:
         return self.state_bytes
 
@@ -382,6 +383,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     def token_format(self) -> str:
         """Where the pages keep each token (`core.token_runs`), shared by every layer."""
         return _token_format(self.memory.layers)
+
     def state_format(self) -> int:
         """Bytes of a state page (0: no state layers)."""
         return _state_bytes(self.memory.layers)
@@ -690,6 +692,8 @@ def _token_format(layers) -> str:
     if len(formats) != 1:
         raise LayoutError(f"layers must share one page_format, got {sorted(formats)}")
     return formats.pop()
+
+
 def _state_bytes(layers: tuple[Layer, ...]) -> int:
     """The state layers' page bytes (one size for all), or 0 without state layers."""
     sizes = {layer.row_bytes for layer in layers if layer.state}
