@@ -11,6 +11,7 @@ import torch
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.leases import blocks_digest
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.prefill_worker import PrefillWorker
@@ -68,6 +69,7 @@ def claim(request_id: str, token: str = "t", read_s: float = 10.0) -> wire.Claim
         token=token,
         prompt_hash="h",
         read_timeout_s=read_s,
+        blocks_digest=blocks_digest(BLOCK_IDS),  # the request is held with exactly these blocks, in this order
     )
 
 
