@@ -14,8 +14,8 @@ Every wait is a poll with a timeout: nothing spins, and a stopped server's threa
 
 With a deployment key (`wire.auth.Sealer`) every frame is sealed (encrypted and authenticated): a server drops,
 without an answer, anything not sealed with its key for its own identity (`SideChannelServer.identity`) or seen
-before, and an answer is accepted only for the request it answers. Sizes are
-bounded on both ends (a frame a server takes, an answer a client takes, messages queued per peer).
+before, and an answer is accepted only for the request it answers. Sizes are bounded on both ends (a frame a
+server takes, an answer a client takes, messages queued per peer).
 """
 
 from __future__ import annotations
