@@ -21,6 +21,7 @@ import torch
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.leases import blocks_digest
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.prefill_worker import PrefillWorker
@@ -66,7 +67,7 @@ def main() -> int:
                 assert isinstance(reply, wire.HandshakeReply), reply
                 claim = wire.Claim(
                     request_id="r", block_ids=tuple(range(64)), engine_id="d", worker=wire.Worker(),
-                    token="tok", prompt_hash="h", read_timeout_s=10,
+                    token="tok", prompt_hash="h", read_timeout_s=10, blocks_digest=blocks_digest(tuple(range(64))),
                 )  # fmt: skip
                 t0 = time.perf_counter()
                 (answer,) = clients[name].exchange_all([("127.0.0.1", w.port)], claim, [("p", 0, 0, 0)])

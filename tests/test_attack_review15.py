@@ -264,3 +264,37 @@ def test_idle_connections_from_a_key_holders_own_address_do_not_cut_it(trust, mo
         for sock in idle:
             sock.close()
         server.close()
+
+
+def test_dropped_frames_are_reported_at_a_bounded_rate(caplog):
+    """Issue 15 (LOW): dropped frames were only counted. Now the server logs them with totals by reason, once at
+    the first and then at most once every `drop_warning_s`: 50 forged frames give one line; the control: after
+    the interval the next drop is reported again."""
+    import logging
+
+    from kvbridge.wire.side_channel import SideChannelServer
+
+    server = SideChannelServer(0, lambda m: wire.Ack(), "127.0.0.1", sealer=Sealer(KEY))
+    server.drop_warning_s = 1.0
+    server.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvbridge.wire.side_channel"):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{server.port}")
+            for _ in range(50):
+                sock.send(b"forged")
+            deadline = time.monotonic() + 5
+            while sum(server.sealer.dropped.values()) < 50 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            lines = [r.getMessage() for r in caplog.records if "dropped frames" in r.getMessage()]
+            assert len(lines) == 1 and "unauthenticated" in lines[0]
+            time.sleep(1.1)
+            sock.send(b"forged")
+            deadline = time.monotonic() + 5
+            while len([r for r in caplog.records if "dropped frames" in r.getMessage()]) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            sock.close(linger=0)
+    finally:
+        server.close()

@@ -194,3 +194,28 @@ def test_prompt_hash_is_stable_and_order_sensitive():
     assert prompt_hash([1, 2, 3]) != prompt_hash([3, 2, 1])
     assert prompt_hash([1, 2, 3]) == "4636993d3e1da4e9d6b8f87b79e8f7c6"  # pinned: the same on every platform and run
     assert len(prompt_hash([])) == 32
+
+
+def test_a_sealed_frame_hides_its_body_and_is_bound_to_its_destination():
+    """Protocol 3 (issue 15): the body is encrypted (not in the frame; two seals of one body differ), the request
+    is bound to a destination identity (another one's server drops it, counted as misaddressed), the answer to
+    its request's nonce, and a flipped ciphertext byte fails the MAC. Control: the right destination opens it."""
+    from kvbridge.wire.auth import destination
+
+    clock = Clock(1000.0)
+    body = b"agent-metadata:" + bytes(range(200))
+    here, there = destination(5600, "engine-a", 0, 1, 2), destination(5600, "engine-b", 0, 1, 2)
+    client = Sealer(KEY, clock=clock)
+    frame, nonce = client.seal_request(body, here)
+    assert body[:16] not in frame and frame != client.seal_request(body, here)[0]
+    elsewhere = Sealer(KEY, clock=clock)
+    assert elsewhere.open_request(frame, there) is None and elsewhere.dropped["misaddressed"] == 1
+    flipped = bytearray(frame)
+    flipped[60] ^= 1
+    server = Sealer(KEY, clock=clock)
+    assert server.open_request(bytes(flipped), here) is None and server.dropped["unauthenticated"] == 1
+    assert server.open_request(frame, here) == (body, nonce)
+    answer = server.seal_answer(body, nonce)
+    assert body[:16] not in answer
+    assert client.open_answer(answer, client.seal_request(b"other", here)[1]) is None  # another request's
+    assert client.open_answer(answer, nonce) == body

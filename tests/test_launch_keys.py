@@ -134,3 +134,17 @@ def test_serve_without_a_key_must_be_asked_for_and_warns_loudly(monkeypatch, tmp
     serve._announce_key(spec)
     assert INSECURE_WARNING in capsys.readouterr().err
     assert not (tmp_path / "kvbridge").exists()
+
+
+def test_serve_refuses_a_keyless_side_channel_beyond_loopback_up_front(monkeypatch, tmp_path):
+    """Issue 15 (LOW): `kvbridge serve --insecure-no-key --kv-extra side_channel_host=0.0.0.0` printed a command
+    (the refusal came only once vLLM loaded the connector). Now the spec itself refuses, dry-run included, for
+    the roles that serve a side channel; the controls: with a key, on loopback, or as a decode it is accepted."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    wide = ("--kv-extra", "side_channel_host=0.0.0.0")
+    for role in ("prefill", "both"):
+        with pytest.raises(ConfigError, match="not a loopback address"):
+            serve_spec("--role", role, "--insecure-no-key", *wide)
+    serve_spec("--role", "decode", "--insecure-no-key", *wide)
+    serve_spec("--role", "prefill", "--insecure-no-key")
+    serve_spec("--role", "prefill", *wide)  # the user's key file

@@ -112,7 +112,10 @@ class ServeSpec:
             option = arg.split("=", 1)[0]
             if option in OWN_OPTIONS:
                 raise ConfigError(f"{option} after -- is set by kvbridge serve itself: use its {OWN_OPTIONS[option]}")
-        BridgeConfig.from_extra(self.extra_config())  # refuse bad keys and values before vLLM starts
+        extra = self.extra_config()
+        config = BridgeConfig.from_extra(extra)  # refuse bad keys and values before vLLM starts
+        if self.role in ("prefill", "both"):  # a side channel beyond loopback without a key: refused up front
+            config.check_exposure(bool(extra.keys() & {"auth_key", "auth_key_file"}))
 
     @property
     def listen_port(self) -> int:

@@ -12,9 +12,10 @@ Three layers, I/O only in the last:
 
 Every wait is a poll with a timeout: nothing spins, and a stopped server's thread ends within one poll.
 
-With a deployment key (`wire.auth.Sealer`) every frame is sealed: a server drops, without an answer, anything
-not sealed with its key or seen before, and an answer is accepted only for the request it answers. Sizes are
-bounded on both ends (a frame a server takes, an answer a client takes, messages queued per peer).
+With a deployment key (`wire.auth.Sealer`) every frame is sealed (encrypted and authenticated): a server drops,
+without an answer, anything not sealed with its key for its own identity (`SideChannelServer.identity`) or seen
+before, and an answer is accepted only for the request it answers. Sizes are bounded on both ends (a frame a
+server takes, an answer a client takes, messages queued per peer).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ MAX_CONNECTIONS = 512
 """Connections a side-channel server keeps open at once. Each may pin up to QUEUED_PER_PEER frames of
 MAX_REQUEST_BYTES, so this bounds what a connection flood can pin. A decode worker keeps one connection per
 control thread (8) to each prefill worker it reads from: 512 serves 64 decode ranks."""
+DROP_WARNING_S = 60.0
+"""Dropped (unauthenticated, misaddressed, replayed...) frames are logged at most once in this many seconds."""
 MAX_CONNECTIONS_PER_ADDRESS = 128
 """Connections one source address keeps open at once (a decode host of 8 GPUs x 8 control threads needs 64)."""
 
@@ -215,6 +218,8 @@ class SideChannelServer:
         self._socket: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._warned_at: float | None = None  # when dropped frames were last logged
+        self.drop_warning_s = DROP_WARNING_S
 
     @property
     def endpoint(self) -> str:
@@ -308,6 +313,7 @@ class SideChannelServer:
                     frames = [f.bytes for f in raw]
                     answer = _answer_frames(frames, self.handler, self.sealer, self.destination)
                     if answer is None:
+                        self._dropped()
                         continue
                     if self.sealer is not None:  # an authenticated peer: its connection is cut last
                         self.connections.authenticated(_source_fd(raw[-1]))
@@ -320,6 +326,22 @@ class SideChannelServer:
             except zmq.ZMQError:
                 logger.exception("side channel %s: socket error", self.endpoint)
                 self._stop.wait(self.poll_interval_s)
+
+    def _dropped(self) -> None:
+        """A frame was dropped unanswered: say so, at most once every `drop_warning_s`, with the totals by reason
+        (an operator sees a misconfigured key or an attack; an attacker cannot fill the log)."""
+        now = time.monotonic()
+        if self.sealer is None or (self._warned_at is not None and now - self._warned_at < self.drop_warning_s):
+            return
+        self._warned_at = now
+        counts = ", ".join(f"{reason} {n}" for reason, n in sorted(self.sealer.dropped.items()))
+        logger.warning(
+            "side channel %s dropped frames not sealed for it with the deployment key (totals: %s); next report in "
+            "%g s at the earliest",
+            self.endpoint,
+            counts,
+            self.drop_warning_s,
+        )
 
     def _connection_events(self, monitor: zmq.Socket) -> None:
         for _ in range(64):
