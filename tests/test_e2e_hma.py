@@ -31,7 +31,7 @@ import pytest
 from e2e_support import FOUR, SOURCE, UNCHECKED, Place, delta, layout_servers, prefill_params, prompts
 from kvbridge.core.groups import CacheGroup
 from kvbridge.serving.launcher import complete, metrics, running
-from kvbridge.serving.tiny_model import build_tiny_sliding_llama
+from kvbridge.testing.tiny_models import build_tiny_sliding_llama
 
 pytestmark = pytest.mark.vllm
 

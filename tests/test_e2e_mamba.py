@@ -37,7 +37,7 @@ from kvbridge.serving.launcher import (
     metrics,
     running,
 )
-from kvbridge.serving.tiny_model import build_tiny_nemotron_h
+from kvbridge.testing.tiny_models import build_tiny_nemotron_h
 
 pytestmark = pytest.mark.vllm
 

@@ -39,7 +39,7 @@ import pytest
 
 from e2e_support import FOUR, SOURCE, UNCHECKED, delta, disaggregated, layout_servers, prompts, write_ttft_report
 from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, metrics, running
-from kvbridge.serving.tiny_model import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_deepseek_v2
+from kvbridge.testing.tiny_models import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_deepseek_v2
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.serving.launcher import ServerError, VllmServer, free_base_port, free_port, kvbridge_config, running
-from kvbridge.serving.tiny_model import build_tiny_nemotron_h
+from kvbridge.testing.tiny_models import build_tiny_nemotron_h
 
 pytestmark = pytest.mark.vllm
 

@@ -114,11 +114,12 @@ def write_tokenizer(out_dir: str | Path, vocab: int, max_positions: int = 4096) 
     return out
 
 
-def _spec(**kwargs: object) -> dict[str, object]:
+def model_spec(**kwargs: object) -> dict[str, object]:
+    """What a builder's stamp records: its arguments and the stamp version."""
     return {"stamp_version": _STAMP_VERSION, **kwargs}
 
 
-def _decoder_keywords(
+def decoder_keywords(
     *,
     vocab: int,
     hidden: int,
@@ -147,11 +148,11 @@ def _decoder_keywords(
     }
 
 
-def _build(out_dir: str | Path, spec: dict[str, object], overwrite: bool, make) -> Path:
+def build_once(out_dir: str | Path, spec: dict[str, object], overwrite: bool, make) -> Path:
     """The steps every builder shares: a model already built with `spec` is reused; otherwise `make(out)` saves
     one and the stamp is written last (a half-written directory is never taken for a built one)."""
     out = Path(out_dir)
-    if overwrite or not _is_built(out, spec):
+    if overwrite or not is_built(out, spec):
         make(out)
         (out / STAMP).write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
     return out
@@ -186,7 +187,7 @@ def build_tiny_model(
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if head_dim not in CPU_HEAD_SIZES:
         raise ValueError(f"head_dim must be one of {CPU_HEAD_SIZES} (vLLM's CPU attention), got {head_dim}")
-    spec = _spec(
+    spec = model_spec(
         num_layers=num_layers,
         hidden=hidden,
         num_heads=num_heads,
@@ -201,7 +202,7 @@ def build_tiny_model(
     )
     if tokenizer:  # only then: the stamps (and so the cached models) of token-id callers stay as they were
         spec["tokenizer"] = _TOKENIZER_VERSION
-    common = _decoder_keywords(
+    common = decoder_keywords(
         vocab=vocab,
         hidden=hidden,
         intermediate=intermediate,
@@ -215,14 +216,16 @@ def build_tiny_model(
     def make(out: Path) -> None:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        _save(Qwen2ForCausalLM, Qwen2Config(**common, num_key_value_heads=num_kv_heads, head_dim=head_dim), seed, out)
+        save_seeded(
+            Qwen2ForCausalLM, Qwen2Config(**common, num_key_value_heads=num_kv_heads, head_dim=head_dim), seed, out
+        )
         if tokenizer:
             write_tokenizer(out, vocab, max_positions)
 
-    return _build(out_dir, spec, overwrite, make)
+    return build_once(out_dir, spec, overwrite, make)
 
 
-def _is_built(out: Path, spec: dict[str, object]) -> bool:
+def is_built(out: Path, spec: dict[str, object]) -> bool:
     """The model in `out` was built with exactly `spec` (its stamp says so) and its weights are there."""
     stamp = out / STAMP
     if not (stamp.is_file() and (out / "model.safetensors").is_file()):
@@ -233,9 +236,9 @@ def _is_built(out: Path, spec: dict[str, object]) -> bool:
         return False
 
 
-def _save(model_class, config, seed: int, out: Path) -> None:
+def save_seeded(model_class, config, seed: int, out: Path) -> None:
     """Build `model_class(config)` in the config's dtype with weights seeded by `seed` and save it to `out`,
-    removing the stamp first (`_build` writes it last)."""
+    removing the stamp first (`build_once` writes it last)."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
@@ -253,240 +256,6 @@ def _save(model_class, config, seed: int, out: Path) -> None:
     # would leave a layer at vLLM's own initial values without any error, so check here.
     if missing and not getattr(config, "tie_word_embeddings", False):
         raise ValueError(f"weights missing from the saved model: {missing[:5]}")
-
-
-MLA_KV_LORA_RANK = 512
-MLA_ROPE_DIM = 64
-"""vLLM 0.32's CPU MLA kernel is compiled for one latent width only: kv_lora_rank 512 + rope 64 = 576
-(`CPUMLABackend.get_supported_head_sizes()`)."""
-
-
-def build_tiny_deepseek_v2(
-    out_dir: str | Path,
-    *,
-    num_layers: int = 4,
-    hidden: int = 256,
-    num_heads: int = 4,
-    nope_dim: int = 32,
-    v_dim: int = 32,
-    intermediate: int = 512,
-    vocab: int = 1024,
-    max_positions: int = 4096,
-    init_std: float = 0.2,
-    seed: int = 0,
-    dtype: str = "float32",
-    overwrite: bool = False,
-) -> Path:
-    """A tiny DeepSeek-V2 (MLA attention) in `out_dir`, every layer dense, with seeded weights; idempotent like
-    `build_tiny_model`.
-
-    MLA caches one latent per token and layer ([kv_c 512 | k_pe 64], no V), the same on every TP rank. The
-    MoE fields are set but unused: `first_k_dense_replace = num_layers` makes every layer a dense MLP (vLLM's
-    loader needs `n_routed_experts` set even then). `q_lora_rank=None` (a plain q_proj), and the rope and nope
-    head dims differ (vLLM's config convertor rewrites them when they are equal).
-    """
-    if nope_dim == MLA_ROPE_DIM:
-        raise ValueError(f"nope_dim must differ from the rope dim {MLA_ROPE_DIM} (vLLM's convertor rewrites it)")
-    spec = _spec(
-        arch="deepseek_v2",
-        num_layers=num_layers,
-        hidden=hidden,
-        num_heads=num_heads,
-        nope_dim=nope_dim,
-        v_dim=v_dim,
-        intermediate=intermediate,
-        vocab=vocab,
-        max_positions=max_positions,
-        init_std=init_std,
-        seed=seed,
-        dtype=dtype,
-    )
-    common = _decoder_keywords(
-        vocab=vocab,
-        hidden=hidden,
-        intermediate=intermediate,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        max_positions=max_positions,
-        init_std=init_std,
-        dtype=dtype,
-    )
-
-    def make(out: Path) -> None:
-        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-        config = DeepseekV2Config(
-            **common,
-            moe_intermediate_size=intermediate // 4,
-            num_key_value_heads=num_heads,
-            kv_lora_rank=MLA_KV_LORA_RANK,
-            qk_rope_head_dim=MLA_ROPE_DIM,
-            qk_nope_head_dim=nope_dim,
-            v_head_dim=v_dim,
-            q_lora_rank=None,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            first_k_dense_replace=num_layers,
-            moe_layer_freq=1,
-        )
-        _save(DeepseekV2ForCausalLM, config, seed, out)
-
-    return _build(out_dir, spec, overwrite, make)
-
-
-def build_tiny_sliding_llama(
-    out_dir: str | Path,
-    *,
-    num_layers: int = 4,
-    sliding_window: int = 64,
-    hidden: int = 256,
-    num_heads: int = 8,
-    num_kv_heads: int = 4,
-    head_dim: int = 32,
-    intermediate: int = 512,
-    vocab: int = 1024,
-    max_positions: int = 4096,
-    init_std: float = 0.2,
-    seed: int = 0,
-    dtype: str = "float32",
-    overwrite: bool = False,
-) -> Path:
-    """A tiny Llama whose layers alternate sliding-window and full attention (`layer_types`: layer 0 sliding,
-    layer 1 full, ...), seeded weights, idempotent like `build_tiny_model`. With vLLM's hybrid KV-cache manager
-    on, its KV cache is two groups (sliding-window layers, full-attention layers) aliasing one pool."""
-    if head_dim not in CPU_HEAD_SIZES:
-        raise ValueError(f"head_dim must be one of {CPU_HEAD_SIZES} (vLLM's CPU attention), got {head_dim}")
-    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    spec = _spec(
-        arch="llama_sliding",
-        num_layers=num_layers,
-        sliding_window=sliding_window,
-        hidden=hidden,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate=intermediate,
-        vocab=vocab,
-        max_positions=max_positions,
-        init_std=init_std,
-        seed=seed,
-        dtype=dtype,
-    )
-    common = _decoder_keywords(
-        vocab=vocab,
-        hidden=hidden,
-        intermediate=intermediate,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        max_positions=max_positions,
-        init_std=init_std,
-        dtype=dtype,
-    )
-
-    def make(out: Path) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(**common, num_key_value_heads=num_kv_heads, head_dim=head_dim)
-        config.layer_types = layer_types  # vLLM's Llama reads it per layer (kept by LlamaConfig in transformers 5)
-        config.sliding_window = sliding_window
-        _save(LlamaForCausalLM, config, seed, out)
-        saved = json.loads((out / "config.json").read_text())
-        if saved.get("layer_types") != layer_types or saved.get("sliding_window") != sliding_window:
-            raise ValueError("the saved config.json lost layer_types or sliding_window")
-
-    return _build(out_dir, spec, overwrite, make)
-
-
-def build_tiny_nemotron_h(
-    out_dir: str | Path,
-    *,
-    pattern: str = "M*M*M*M*",
-    hidden: int = 256,
-    num_heads: int = 8,
-    num_kv_heads: int = 4,
-    head_dim: int = 32,
-    mamba_heads: int = 8,
-    mamba_head_dim: int = 32,
-    n_groups: int = 4,
-    state_size: int = 16,
-    intermediate: int = 512,
-    vocab: int = 1024,
-    max_positions: int = 4096,
-    init_std: float = 0.2,
-    seed: int = 0,
-    dtype: str = "float32",
-    overwrite: bool = False,
-) -> Path:
-    """A tiny NemotronH (a Mamba2 / attention hybrid) in `out_dir` with seeded weights; idempotent like
-    `build_tiny_model`. `pattern` has one letter per layer: M a Mamba2 layer, * an attention layer, - an MLP.
-    vLLM serves it on CPU with `--no-enable-prefix-caching`; its cache holds Mamba state pages beside the
-    attention KV (two KV-cache groups with the hybrid KV-cache manager on)."""
-    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
-    if not pattern or set(pattern) - set(kinds):
-        raise ValueError(f"pattern must be letters of {sorted(kinds)}, got {pattern!r}")
-    spec = _spec(
-        arch="nemotron_h",
-        pattern=pattern,
-        hidden=hidden,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        mamba_heads=mamba_heads,
-        mamba_head_dim=mamba_head_dim,
-        n_groups=n_groups,
-        state_size=state_size,
-        intermediate=intermediate,
-        vocab=vocab,
-        max_positions=max_positions,
-        init_std=init_std,
-        seed=seed,
-        dtype=dtype,
-    )
-    out = Path(out_dir)
-    if not overwrite and _is_built(out, spec):
-        return out
-
-    import torch
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    config = NemotronHConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        layers_block_type=[kinds[c] for c in pattern],
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate,
-        mamba_num_heads=mamba_heads,
-        mamba_head_dim=mamba_head_dim,
-        n_groups=n_groups,
-        ssm_state_size=state_size,
-        conv_kernel=4,
-        chunk_size=64,
-        max_position_embeddings=max_positions,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        dtype=dtype,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = NemotronHForCausalLM(config).to(getattr(torch, dtype)).eval()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / STAMP).unlink(missing_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    from safetensors import safe_open
-
-    with safe_open(str(out / "model.safetensors"), "pt") as saved:  # transformers saves model.* as backbone.*
-        names = {k.replace("backbone.", "model.", 1) for k in saved.keys()}  # noqa: SIM118 - not a dict
-    missing = sorted(set(model.state_dict()) - names)
-    if missing:  # see _save: vLLM would not notice
-        raise ValueError(f"weights missing from the saved model: {missing[:5]}")
-    (out / STAMP).write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
