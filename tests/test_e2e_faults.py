@@ -218,9 +218,13 @@ def test_failed_load_under_fail_policy_is_a_clear_error(pair):
     assert complete(strict.url, prompt(13, 40), 4)["choices"][0]["token_ids"]
 
 
-def test_killed_decode_server_leaks_no_prefill_blocks(pair):
-    """The decode server dies (SIGKILL) while its PD request is inside it (queued, claiming or reading): the
-    prefill server frees the held blocks at the lease's end or the claim's read deadline, never keeps them."""
+def test_a_decode_server_killed_while_generating_leaves_no_prefill_blocks(pair):
+    """The decode server dies (SIGKILL) while its PD request generates, that is after its load: vLLM counts a
+    request as running only once its KV is in (one waiting for it is WAITING_FOR_REMOTE_KVS, not running). What
+    this checks: the prefill server's blocks for it end freed (the READ's notification, else the claim's read
+    deadline or the lease), and a decode death after the load leaves nothing held there. It does not kill a
+    decode mid-READ: tests/test_e2e_hosts.py does (a decode and a prefill killed mid-READ, checked by the bytes
+    already moved, and a link cut mid-READ)."""
     prefill, _, strict = pair
     baseline = prefill.kv_usage()
     p = prompt(14, 300)
@@ -235,7 +239,8 @@ def test_killed_decode_server_leaks_no_prefill_blocks(pair):
         strict.kill()
         with pytest.raises(OSError):
             pd.result()
-    # the claim (if it was made) pins for the decode's transfer_timeout_s (25 s) + 5 s; else the lease frees it
+    # freed at the READ's notification; were it missed, the claim pins for the decode's transfer_timeout_s (25 s)
+    # + 5 s and the lease frees it after that
     assert wait_for(lambda: prefill.kv_usage() == baseline, 45), "the prefill server leaked blocks"
 
 

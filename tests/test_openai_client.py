@@ -5,8 +5,11 @@ chat without `--skip-tokenizer-init`. The prefill server is kv_both, so it is al
 reference: every answer through the proxy must equal its answer to the same request (greedy, and seeded sampling
 for n=2, where child j samples with seed + j as vLLM's own n does). Each test also checks that the decode
 server's `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` grew by at least the prompt tokens
-it served: the KV moved, it was not recomputed. Two tests check, with real prefill workers, that no prefill KV
-stays held when a decode leg fails or never happens (the proxy's release, acknowledged by the worker).
+it served: the KV moved, it was not recomputed (the decode server runs kv_load_failure_policy=recompute, so that
+an n=2 request sent straight to it with one prefill's params is answered: its second child's params are refused as
+a replay and it prefills itself; that test checks the KV moved exactly once). Two tests check, with real prefill
+workers, that no prefill KV stays held when a decode leg fails or never happens (the proxy's release, acknowledged
+by the worker).
 
 Prompts are distinct across tests (seeded word salad of the corpus' words), so no test is helped by another's
 prefix cache on the decode server. Heavy (marked vllm): two vLLM servers, shared by the tests of this module;
@@ -79,7 +82,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         model,
         port=free_port(),
         cpu_bind="1",
-        kv_transfer_config=kvbridge_config("kv_consumer", side_channel_port=base + 1, lease_s=30),
+        # recompute: params refused before any load (a replay, as the second child of an n=2 sent straight here)
+        # are prefilled locally; the tests' KV-moved checks still catch a load that silently fell back
+        kv_transfer_config=kvbridge_config("kv_consumer", "recompute", side_channel_port=base + 1, lease_s=30),
         name="openai-decode",
         log_path=tmp / "decode.log",
     )
@@ -334,3 +339,79 @@ def test_a_decode_refusal_leaves_no_prefill_kv_held(stack):
         time.sleep(0.2)
     assert releases(url).get("error", 0) == 0
     wait_usage_back(prefill, baseline, t0)
+
+
+def rejected(url: str, reason: str) -> float:
+    return metric_sum(metrics(url), "vllm:kvbridge_rejected_params_total", reason=reason)
+
+
+@heavy
+def test_n_2_sent_straight_to_a_decode_server_loads_the_kv_once(stack):
+    """One prefill's params on an n=2 request sent to the decode server itself (no proxy): vLLM gives both
+    children the same params. The first child loads them; the second is refused as a replay (the params name a
+    request another child read) and computes its own prompt. Both choices equal the aggregated answer."""
+    model, prefill, decode = stack["model"], stack["prefill"], stack["decode_url"]
+    prompt = text(80)
+    one = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    first = httpx.post(prefill.url + "/v1/completions", json=one, timeout=120).json()
+    params = first["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] is True, first
+    greedy = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 1.0, "n": 2, "top_k": 1}
+    expected = stack["ref"].completions.create(
+        prompt=prompt, model=model, max_tokens=MAX_TOKENS, temperature=1.0, n=2, extra_body={"top_k": 1}
+    )
+    before, replayed = external_tokens(decode), rejected(decode, "replayed")
+    reply = httpx.post(decode + "/v1/completions", json={**greedy, "kv_transfer_params": params}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == texts(expected.choices)
+    prompt_tokens = expected.usage.prompt_tokens
+    assert_kv_moved(decode, before, prompt_tokens)
+    deadline = time.monotonic() + 10
+    while rejected(decode, "replayed") < replayed + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)  # metrics of both children are in
+    assert rejected(decode, "replayed") == replayed + 1
+    assert external_tokens(decode) - before == prompt_tokens, "the prompt's KV must move once, not per child"
+
+
+def logprob_rows(choice: Any) -> tuple[list[str], list[float], list[dict[str, float]]]:
+    lp = choice.logprobs
+    return list(lp.tokens), list(lp.token_logprobs), [dict(d) for d in lp.top_logprobs]
+
+
+@heavy
+def test_echo_logprobs_and_min_tokens_through_the_proxy_equal_the_aggregated_server(stack):
+    """The fields the PD split changes (issue 14, item 2): `echo` (the prefill leg drops it, the decode server
+    prepends the prompt), `logprobs` (computed by the decode server on the loaded KV: token ids equal, values
+    within 1e-4) and `min_tokens` (dropped from the prefill leg of max_tokens=1). Each on the PD path: the KV moved."""
+    pd, ref, model, decode = stack["pd"], stack["ref"], stack["model"], stack["decode_url"]
+    args = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+
+    before = external_tokens(decode)
+    got = pd.completions.create(prompt=text(90), echo=True, **args)
+    expected = ref.completions.create(prompt=text(90), echo=True, **args)
+    assert texts(got.choices) == texts(expected.choices) and got.choices[0].text.startswith(text(90))
+    assert_kv_moved(decode, before, expected.usage.prompt_tokens)
+
+    before = external_tokens(decode)
+    ids = {"return_tokens_as_token_ids": True}
+    got = pd.completions.create(prompt=text(91), logprobs=3, extra_body=ids, **args)
+    expected = ref.completions.create(prompt=text(91), logprobs=3, extra_body=ids, **args)
+    assert texts(got.choices) == texts(expected.choices)
+    tokens, values, tops = logprob_rows(got.choices[0])
+    want_tokens, want_values, want_tops = logprob_rows(expected.choices[0])
+    assert tokens == want_tokens and all(t.startswith("token_id:") for t in tokens)
+    assert values == pytest.approx(want_values, abs=1e-4)
+    assert [sorted(t) for t in tops] == [sorted(t) for t in want_tops]
+    for top, want in zip(tops, want_tops, strict=True):
+        assert [top[k] for k in sorted(top)] == pytest.approx([want[k] for k in sorted(want)], abs=1e-4)
+    assert_kv_moved(decode, before, expected.usage.prompt_tokens)
+
+    before = external_tokens(decode)
+    extra = {"min_tokens": MAX_TOKENS, "ignore_eos": False}
+    got = pd.completions.create(prompt=text(92), extra_body=extra, **args)
+    expected = ref.completions.create(prompt=text(92), extra_body=extra, **args)
+    assert texts(got.choices) == texts(expected.choices)
+    assert got.usage.completion_tokens == expected.usage.completion_tokens == MAX_TOKENS
+    assert_kv_moved(decode, before, expected.usage.prompt_tokens)

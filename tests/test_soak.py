@@ -4,9 +4,14 @@ and no block may stay allocated on either side.
 
 Traffic (seeded): plain requests through the proxy, lists of prompts and n=2 through the proxy, clients that
 disconnect from the proxy mid-request, and, straight to the decode server, swapped params (another prompt's),
-forged params (edited blocks, unsigned), replays, and decode legs that arrive after the params' lease. One decode
+forged params (edited blocks, unsigned), replays, and decode legs that arrive after the params' lease. After that
+pool, before any kill, both servers' KV usage must be back to its baseline (nothing leaked by the faults). One decode
 server and then the prefill server are killed with requests inside them, and new ones started in their place. The
 figures are printed.
+
+What the kills do not prove: each comes 0.3 s after four requests were sent, so those requests may be prefilling,
+being read or decoding; nothing here checks that a READ is in flight at the kill. A decode and a prefill killed
+mid-READ (checked by the bytes already moved), and a link cut mid-READ, are tests/test_e2e_hosts.py's.
 """
 
 from __future__ import annotations
@@ -226,6 +231,17 @@ def test_fault_soak(tmp_path):
         with ThreadPoolExecutor(4) as pool:
             for result in [pool.submit(getattr(soak, kind)) for kind in plan]:
                 result.result()
+        # Before any kill: every fault of the pool gave its blocks back on both sides (a lease plus a margin for the
+        # last disconnected clients' decode legs and the last leases to end).
+        t_pool = time.monotonic()
+        back = wait_for(lambda: (prefill.kv_usage(), decode.kv_usage()) == baseline, LEASE_S + 15)
+        after_pool = {
+            "baseline (prefill, decode)": baseline,
+            "after the pool (prefill, decode)": (prefill.kv_usage(), decode.kv_usage()),
+            "seconds to get back": round(time.monotonic() - t_pool, 1),
+        }
+        print("kv usage after the fault pool:", json.dumps(after_pool))
+        assert back, f"blocks stayed allocated after the fault pool: {after_pool}"
         # A decode server killed with requests inside it; a new one takes its port.
         with ThreadPoolExecutor(4) as pool:
             inflight = [pool.submit(soak.plain) for _ in range(4)]
@@ -269,6 +285,7 @@ def test_fault_soak(tmp_path):
         "faults injected": dict(soak.faults),
         "requests lost with the killed servers (HTTP errors, never wrong answers)": lost,
         "outputs different from the aggregated run": len(soak.wrong),
+        "kv usage after the fault pool (before the kills)": after_pool,
         "blocks left allocated": "none" if freed else "LEAKED",
         "prompt tokens moved by kvbridge (new decode server)": moved,
         "seconds": round(time.monotonic() - started, 1),

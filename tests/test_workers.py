@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -21,13 +22,24 @@ pytestmark = pytest.mark.nixl
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
 
 
-@pytest.fixture
-def prefill():
+def make_prefill(lock=None) -> PrefillWorker:
+    """A started prefill worker; `lock` (if given) replaces its lock, and the condition built on it, before
+    any thread exists."""
     layout = ParallelLayout()
     kv = torch.zeros(1 << 16, dtype=torch.uint8)
     memory = synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, 16, kv.data_ptr())
     config = BridgeConfig(side_channel_port=free_base_port(1), lease_s=30)
-    worker = PrefillWorker(WorkerIdentity("p", layout, 0, WorkerRank(0, 0), GEOMETRY), memory, config).start()
+    worker = PrefillWorker(WorkerIdentity("p", layout, 0, WorkerRank(0, 0), GEOMETRY), memory, config)
+    worker._kv = kv  # the registered memory lives as long as the worker
+    if lock is not None:
+        worker._lock = lock
+        worker._changed = threading.Condition(lock)
+    return worker.start()
+
+
+@pytest.fixture
+def prefill():
+    worker = make_prefill()
     try:
         yield worker
     finally:
@@ -94,31 +106,92 @@ def test_a_cpu_worker_shares_no_cuda_ipc_handles(prefill):
     assert reply.ipc == () and reply.host_id
 
 
-class _Guarded:
-    """The lease book, recording every access made while the worker's lock is free (a race with vLLM's step)."""
+class _OwnedLock:
+    """A lock that knows which thread holds it (`threading.Lock` only knows that some thread does). Supports
+    `threading.Condition` (its wait releases and retakes the lock through `_release_save`/`_acquire_restore`)."""
 
-    def __init__(self, book, lock) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.owner: int | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self.owner = threading.get_ident()
+        return got
+
+    def release(self) -> None:
+        self.owner = None
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def _is_owned(self) -> bool:
+        return self.owner == threading.get_ident()
+
+    def _release_save(self) -> None:
+        self.release()
+
+    def _acquire_restore(self, state) -> None:
+        self.acquire()
+
+
+class _Guarded:
+    """The lease book, recording every access made by a thread that does not hold the worker's lock (a race with
+    vLLM's step): the lock free, or held by another thread."""
+
+    def __init__(self, book, lock: _OwnedLock) -> None:
         object.__setattr__(self, "_book", book)
         object.__setattr__(self, "_lock", lock)
         object.__setattr__(self, "unlocked", [])
 
     def __getattr__(self, name):
-        if not self._lock.locked():
-            self.unlocked.append(name)
+        if self._lock.owner != threading.get_ident():
+            self.unlocked.append((name, threading.current_thread().name))
         return getattr(self._book, name)
 
 
-def test_the_lease_book_is_only_touched_under_the_lock(prefill):
+def test_the_lease_book_is_only_touched_under_the_lock():
     """Review §3.8: `_run` read `_leases.held` outside the lock while the step thread mutated the dict (the
-    background thread died of `dictionary changed size during iteration`). Every access now holds the lock."""
-    guarded = _Guarded(prefill._leases, prefill._lock)
-    prefill._leases = guarded
-    for i in range(50):
-        prefill.hold(f"r{i}", (1,), token="t")
-        prefill.finished()  # the step thread's path
-        time.sleep(0.002)  # let the background thread run rounds
-    time.sleep(0.2)
-    assert prefill._thread.is_alive()
-    assert guarded.unlocked == []
-    guarded.held  # the control: an access without the lock is noticed  # noqa: B018
-    assert guarded.unlocked == ["held"]
+    background thread died of `dictionary changed size during iteration`). Every access now holds the lock,
+    taken by the thread that makes it."""
+    lock = _OwnedLock()
+    prefill = make_prefill(lock)
+    try:
+        guarded = _Guarded(prefill._leases, lock)
+        with lock:  # no thread is inside the book while it is swapped
+            prefill._leases = guarded
+        for i in range(50):
+            prefill.hold(f"r{i}", (1,), token="t")
+            prefill.finished()  # the step thread's path
+            prefill.finished(wait_s=0.001)  # an idle step: waits on the condition built on the lock
+            time.sleep(0.002)  # let the background thread run rounds
+        time.sleep(0.2)
+        assert prefill._thread.is_alive()
+        assert guarded.unlocked == []
+        # the controls: an access without the lock is noticed ...
+        guarded.held  # noqa: B018
+        assert guarded.unlocked == [("held", threading.current_thread().name)]
+        # ... and so is one made while another thread holds the lock (what `lock.locked()` could not tell)
+        taken, done = threading.Event(), threading.Event()
+
+        def hold_the_lock() -> None:
+            with lock:
+                taken.set()
+                done.wait(5)
+
+        other = threading.Thread(target=hold_the_lock, name="other")
+        other.start()
+        assert taken.wait(5) and lock.locked()
+        guarded.held  # noqa: B018
+        done.set()
+        other.join(5)
+        assert guarded.unlocked == [("held", threading.current_thread().name)] * 2
+    finally:
+        prefill.close()
