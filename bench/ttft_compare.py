@@ -1,17 +1,34 @@
-"""TTFT of disaggregated prefill/decode with kvbridge vs vLLM's NixlConnector, same prompts, same machine, one run.
+"""TTFT of disaggregated prefill/decode with kvbridge vs vLLM's NixlConnector: same prompts, same machine, same
+pinning, the same aggregated baseline for both, several runs, interleaved.
 
-For each layout pair and each connector it starts a prefill and a decode vLLM server (CPU, tiny float32 model,
-prefill workers on core 0, decode workers on core 1), sends the same prompts through the PD protocol
-(prefill leg with max_tokens=1, decode leg streamed) and records: whether the pair works (server start,
-HTTP status, hang), TTFT (prefill leg + decode leg to first token), and whether the output equals the
-aggregated run. An aggregated baseline TTFT (the prefill server answering alone, streamed) is measured too.
+For each run, each layout pair and each arm it starts a prefill and a decode vLLM server (CPU, tiny float32 model,
+prefill workers on core 0, decode workers on core 1), warms both (a plain request each and one PD request: the
+first requests compile and connect), sends the same prompts through the PD protocol (prefill leg with
+max_tokens=1, decode leg streamed) and records whether the pair works (server start, HTTP status, hang), TTFT
+(prefill leg + decode leg to first token) and whether the output equals the aggregated run. The arms' order turns
+each run, so no arm always runs first.
 
-    .venv/bin/python bench/ttft_compare.py [--pairs pp1-pp1,pp2-pp1,...] [--prompts 8] [--out bench/results]
+Arms:
+- `kvbridge`, `nixl` (vLLM's NixlConnector as it ships);
+- `nixl-unpinned`: NixlConnector with its own thread pinning off. On CPU its worker calls
+  `os.sched_setaffinity(0, <the last core of each NUMA node>)` at start (vllm/distributed/kv_transfer/
+  kv_connector/v1/nixl/base_worker.py), so on a 2-core host the worker thread of the prefill *and* of the decode
+  server land on core 1, beside the decode's OpenMP threads. This arm makes that call a no-op (a sitecustomize
+  shim on PYTHONPATH for the servers' processes only): the difference between `nixl` and `nixl-unpinned`
+  isolates what the pinning costs.
+
+The aggregated baseline is one plain server per run and pair (the prefill's layout, no KV connector, core 0), the
+same for every arm; each arm's TTFT is reported against it.
+
+    .venv/bin/python bench/ttft_compare.py [--pairs pp1-pp1,tp2-pp1] [--arms kvbridge,nixl,nixl-unpinned] \
+        [--runs 3] [--prompts 8] [--out bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -33,12 +50,28 @@ from kvbridge.serving.launcher import (
 from kvbridge.serving.tiny_model import build_tiny_model
 
 LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}
-DEFAULT_PAIRS = "pp1-pp1,pp2-pp1,pp1-pp2,tp2-pp1,pp2-tp2"
+DEFAULT_PAIRS = "pp1-pp1,tp2-pp1"
+ARMS = ("kvbridge", "nixl", "nixl-unpinned")
+SHIM = """import os
+if os.environ.get("KVBRIDGE_BENCH_NO_SETAFFINITY") == "1":
+    os.sched_setaffinity = lambda pid, cores: None  # the ttft_compare arm 'nixl-unpinned'
+"""
 
 
-def kv_config(connector: str, role: str) -> tuple[dict, dict]:
-    """(kv-transfer-config, extra environment) for one server."""
-    if connector == "kvbridge":
+def shim_env(workdir: Path) -> dict[str, str]:
+    """Environment that turns NixlConnector's own sched_setaffinity into a no-op in the servers' processes."""
+    shim = workdir / "no-setaffinity"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "sitecustomize.py").write_text(SHIM)
+    path = os.pathsep.join(x for x in (str(shim), os.environ.get("PYTHONPATH", "")) if x)
+    return {"PYTHONPATH": path, "KVBRIDGE_BENCH_NO_SETAFFINITY": "1"}
+
+
+def kv_config(arm: str | None, role: str, workdir: Path) -> tuple[dict | None, dict]:
+    """(kv-transfer-config, extra environment) for one server of `arm` (None: a plain server)."""
+    if arm is None:
+        return None, {}
+    if arm == "kvbridge":
         cfg = {
             "kv_connector": "KVBridgeConnector",
             "kv_connector_module_path": "kvbridge.vllm",
@@ -47,12 +80,16 @@ def kv_config(connector: str, role: str) -> tuple[dict, dict]:
         }
         return cfg, {}
     cfg = {"kv_connector": "NixlConnector", "kv_role": role}
-    return cfg, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_base_port(8))}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_base_port(8))}
+    if arm == "nixl-unpinned":
+        env.update(shim_env(workdir))
+    return cfg, env
 
 
-def server(model, name, layout, cores, connector, role, logdir) -> VllmServer:
+def server(model, name, layout, cores, arm, role, logdir) -> VllmServer:
     pp, tp = LAYOUTS[layout]
-    cfg, env = kv_config(connector, role)
+    cfg, env = kv_config(arm, role, logdir)
+    tag = arm or "plain"
     return VllmServer(
         model,
         port=free_port(),
@@ -61,9 +98,23 @@ def server(model, name, layout, cores, connector, role, logdir) -> VllmServer:
         cpu_bind="|".join([cores] * (pp * tp)),
         kv_transfer_config=cfg,
         env=env,
-        name=f"{connector}-{name}-{layout}",
-        log_path=logdir / f"{connector}-{name}-{layout}.log",
+        name=f"{tag}-{name}-{layout}",
+        log_path=logdir / f"{tag}-{name}-{layout}.log",
     )
+
+
+def aggregated_baseline(model, layout: str, prompts, logdir, timeout: float) -> dict:
+    """The plain server's streamed TTFT and greedy output per prompt (the reference for every arm)."""
+    with server(model, "aggregated", layout, "0", None, None, logdir) as plain:
+        plain.wait_ready(600)
+        warm = [random.Random(99).randrange(1, 1000) for _ in range(64)]
+        complete(plain.url, warm, 2, timeout=timeout)
+        ttft, outputs = [], []
+        for prompt in prompts:
+            tokens, first = complete_streaming(plain.url, prompt, 8, timeout=timeout)
+            ttft.append(first)
+            outputs.append(tokens)
+    return {"ttft_s": ttft, "tokens": outputs}
 
 
 def last_error(server: VllmServer) -> str:
@@ -73,11 +124,11 @@ def last_error(server: VllmServer) -> str:
     return "see log"
 
 
-def run_pair(model, pair: str, connector: str, prompts, logdir, timeout: float) -> dict:
+def run_pair(model, pair: str, arm: str, prompts, baseline: dict, logdir, timeout: float) -> dict:
     p_layout, d_layout = pair.split("-")
-    prefill = server(model, "prefill", p_layout, "0", connector, "kv_producer", logdir)
-    decode = server(model, "decode", d_layout, "1", connector, "kv_consumer", logdir)
-    result: dict = {"pair": f"{p_layout}->{d_layout}", "connector": connector}
+    prefill = server(model, "prefill", p_layout, "0", arm, "kv_producer", logdir)
+    decode = server(model, "decode", d_layout, "1", arm, "kv_consumer", logdir)
+    result: dict = {"pair": f"{p_layout}->{d_layout}", "connector": arm}
     with prefill, decode:  # entering starts them; leaving stops them, also on errors
         for s in (prefill, decode):
             try:
@@ -89,11 +140,11 @@ def run_pair(model, pair: str, connector: str, prompts, logdir, timeout: float) 
         warm = [random.Random(99).randrange(1, 1000) for _ in range(64)]
         rows = []
         try:
+            complete(prefill.url, warm, 2, timeout=timeout)
+            complete(decode.url, warm, 2, timeout=timeout)
             first = complete(prefill.url, warm, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
             complete(decode.url, warm, 2, kv_transfer_params=first["kv_transfer_params"], timeout=timeout)
-            for prompt in prompts:
-                _, aggregated_ttft = complete_streaming(prefill.url, prompt, 8, timeout=timeout)
-                reference = complete(prefill.url, prompt, 8, timeout=timeout)["choices"][0]["token_ids"]
+            for prompt, reference, aggregated_ttft in zip(prompts, baseline["tokens"], baseline["ttft_s"], strict=True):
                 t0 = time.monotonic()
                 first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
                 prefill_s = time.monotonic() - t0
@@ -127,39 +178,81 @@ def run_pair(model, pair: str, connector: str, prompts, logdir, timeout: float) 
     return result
 
 
+@contextlib.contextmanager
+def exclusive(lock: str | None):
+    """Hold `lock` (flock) for one measurement, so no other vLLM job shares the cores with it."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Per (pair, arm): runs that worked, each run's median TTFT, their spread, the pooled median and p90, and the
+    pooled median of TTFT over the aggregated baseline's TTFT for the same prompts."""
+    rows = []
+    for key in sorted({(r["pair"], r["connector"]) for r in results}):
+        runs = [r for r in results if (r["pair"], r["connector"]) == key]
+        ok = [r for r in runs if "rows" in r and r.get("status") == "works"]
+        row = {"pair": key[0], "arm": key[1], "runs": len(runs), "runs_ok": len(ok)}
+        row["statuses"] = sorted({r["status"] for r in runs})
+        if ok:
+            pooled = [x["ttft_s"] * 1000 for r in ok for x in r["rows"]]
+            ratios = [x["ttft_s"] / x["aggregated_ttft_s"] for r in ok for x in r["rows"]]
+            medians = [r["ttft_median_ms"] for r in ok]
+            row.update(
+                run_median_ms=[round(m, 1) for m in medians],
+                run_median_spread_ms=[round(min(medians), 1), round(max(medians), 1)],
+                pooled_median_ms=round(statistics.median(pooled), 1),
+                pooled_p90_ms=round(sorted(pooled)[int(0.9 * (len(pooled) - 1))], 1),
+                median_ratio_to_aggregated=round(statistics.median(ratios), 2),
+            )
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", default=DEFAULT_PAIRS)
-    parser.add_argument("--connectors", default="kvbridge,nixl")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--workdir", default="/tmp/kvbridge-ttft")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--lock", help="a file to flock around each measurement (machines shared with other jobs)")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(workdir / "model")
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(100, 800))] for _ in range(args.prompts)]
-    results = []
-    for pair in args.pairs.split(","):
-        for connector in args.connectors.split(","):
-            t0 = time.monotonic()
-            res = run_pair(model, pair, connector, prompts, workdir, args.timeout)
-            res["wall_s"] = round(time.monotonic() - t0, 1)
-            results.append(res)
-            print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
-    print(f"\n{'pair':<10} {'connector':<9} {'status':<32} {'TTFT med ms':>11} {'p90 ms':>8} {'aggr. ms':>9}")
-    for r in results:
-        med = f"{r['ttft_median_ms']:.1f}" if "ttft_median_ms" in r else "-"
-        p90 = f"{r['ttft_p90_ms']:.1f}" if "ttft_p90_ms" in r else "-"
-        agg = f"{r['aggregated_ttft_median_ms']:.1f}" if "aggregated_ttft_median_ms" in r else "-"
-        print(f"{r['pair']:<10} {r['connector']:<9} {r['status'][:32]:<32} {med:>11} {p90:>8} {agg:>9}")
-    by = {(r["pair"], r["connector"]): r for r in results}
-    for pair in {r["pair"] for r in results}:
-        a, b = by.get((pair, "kvbridge"), {}), by.get((pair, "nixl"), {})
-        if "ttft_median_ms" in a and "ttft_median_ms" in b:
-            print(f"{pair}: kvbridge/NixlConnector median TTFT ratio {a['ttft_median_ms'] / b['ttft_median_ms']:.2f}")
+    arms = args.arms.split(",")
+    results, baselines = [], []
+    for run in range(args.runs):
+        for pair in args.pairs.split(","):
+            with exclusive(args.lock):
+                baseline = aggregated_baseline(model, pair.split("-")[0], prompts, workdir, args.timeout)
+            baselines.append({"run": run, "pair": pair, "ttft_ms": [round(1000 * t, 1) for t in baseline["ttft_s"]]})
+            for arm in arms[run % len(arms) :] + arms[: run % len(arms)]:  # each run starts with another arm
+                t0 = time.monotonic()
+                with exclusive(args.lock):
+                    res = run_pair(model, pair, arm, prompts, baseline, workdir, args.timeout)
+                res.update(run=run, wall_s=round(time.monotonic() - t0, 1))
+                results.append(res)
+                print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
+    summary = summarize(results)
+    print(f"\n{'pair':<10} {'arm':<14} {'ok':>5} {'run medians ms':<26} {'pooled med':>10} {'p90':>8} {'/aggr.':>7}")
+    for r in summary:
+        meds = ", ".join(f"{m:.0f}" for m in r.get("run_median_ms", [])) or "; ".join(r["statuses"])[:26]
+        med, p90 = r.get("pooled_median_ms", "-"), r.get("pooled_p90_ms", "-")
+        ratio = r.get("median_ratio_to_aggregated", "-")
+        print(f"{r['pair']:<10} {r['arm']:<14} {r['runs_ok']}/{r['runs']:<3} {meds:<26} {med:>10} {p90:>8} {ratio:>7}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"ttft-compare-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -169,6 +262,8 @@ def main() -> int:
                 "command": " ".join([sys.executable, *sys.argv]),
                 "machine": {"platform": platform.platform(), "nproc": os.cpu_count()},
                 "prompts": [len(p) for p in prompts],
+                "summary": summary,
+                "aggregated_baselines": baselines,
                 "results": results,
             },
             indent=2,
