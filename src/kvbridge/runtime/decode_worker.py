@@ -54,7 +54,7 @@ from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
-from kvbridge.wire.side_channel import SideChannelClient
+from kvbridge.wire.side_channel import SideChannelClient, ThreadClients
 
 if TYPE_CHECKING:
     import torch
@@ -133,8 +133,9 @@ class DecodeWorker:
             if handshake_threads
             else self._pool
         )
-        self._local = threading.local()  # each control thread's side-channel sockets
-        self._clients: list[SideChannelClient] = []
+        self._clients = ThreadClients(  # each control thread's side-channel sockets
+            timeout_s=config.handshake_timeout_s, retries=config.handshake_retries, sealer=self.sealer
+        )
         self.peers = PeerBook(
             identity, memory, config, self._handshakes, self._add_agent, self.sealer, self._ipc_connect
         )
@@ -230,8 +231,7 @@ class DecodeWorker:
         self._notes.put(None)
         if (notifier := threads.get("kvbridge-notify")) is not None:
             notifier.join(timeout=30)
-        for client in self._clients:
-            client.close()
+        self._clients.close()
         self.nixl.close()
 
     # -- the peer book's hooks into the read paths ---------------------------------------------------
@@ -243,16 +243,6 @@ class DecodeWorker:
         return None if self.ipc is None else self.ipc.connect(engine)
 
     # -- control threads: claim ---------------------------------------------------------------------
-
-    def _client(self) -> SideChannelClient:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = SideChannelClient(
-                timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries, sealer=self.sealer
-            )
-            with self._lock:
-                self._clients.append(client)
-        return client
 
     def _admit(self, load: Load, connected: Future[Engine]) -> None:
         """Run the load's claim on a control thread, at most PER_ENGINE at once per engine: a slow engine's claims
@@ -338,7 +328,7 @@ class DecodeWorker:
         pending = list(load.read_ranks)
         backoff = Backoff(first_s=5e-3, cap_s=50e-3)
         while pending:
-            answers = self._client().exchange_all(
+            answers = self._clients.get().exchange_all(
                 [address(source, r) for r in pending], claim, [identity(source, r) for r in pending]
             )
             refused = []

@@ -42,7 +42,7 @@ from kvbridge.transport.nixl import Backoff, Transfer
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
-from kvbridge.wire.side_channel import SideChannelClient
+from kvbridge.wire.side_channel import ThreadClients
 
 if TYPE_CHECKING:
     from kvbridge.runtime.load import Load
@@ -99,8 +99,9 @@ class StagedReads:
         self._lock = threading.Lock()
         self._free: list[int] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._local = threading.local()
-        self._clients: list[SideChannelClient] = []
+        self._clients = ThreadClients(
+            timeout_s=config.handshake_timeout_s, retries=config.handshake_retries, sealer=sealer
+        )
         self._running: set[StagedPart] = set()
         self._announced: set[str] = set()  # prefill agents whose first staged read was logged
         self.staged_parts = 0  # totals, for tests and benches
@@ -135,8 +136,7 @@ class StagedReads:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=False)
             self._scatters.shutdown(wait=True, cancel_futures=False)
-        for client in self._clients:
-            client.close()
+        self._clients.close()
 
     # -- choosing -----------------------------------------------------------------------------------
 
@@ -191,16 +191,6 @@ class StagedReads:
 
     # -- the driver -----------------------------------------------------------------------------------
 
-    def _client(self) -> SideChannelClient:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = SideChannelClient(
-                timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries, sealer=self.sealer
-            )
-            with self._lock:
-                self._clients.append(client)
-        return client
-
     def _drive(self, part: StagedPart, note: bytes) -> None:
         try:
             self._chunks(part, note)
@@ -247,7 +237,7 @@ class StagedReads:
                 chunk=k,
                 released=k,
             )
-            answer = self._client().exchange_all([target], msg)[0]
+            answer = self._clients.get().exchange_all([target], msg)[0]
             if isinstance(answer, Exception):
                 raise answer
             if first and isinstance(answer, wire.ErrorReply) and answer.message.endswith("busy"):

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -704,3 +705,28 @@ def _decode_answer(frames: list[bytes], address: str, sealer: Sealer | None = No
         if version is not None and version != wire.PROTOCOL_VERSION:
             raise IncompatiblePeerError("protocol_version", wire.PROTOCOL_VERSION, version) from exc
         raise ProtocolError(f"the side channel {address} answered: {exc}") from exc
+
+
+class ThreadClients:
+    """One `SideChannelClient` per calling thread (a client's kept sockets belong to one thread), made on first
+    use with the same arguments, all closed together."""
+
+    def __init__(self, **client_args: Any) -> None:
+        self._args = client_args
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[SideChannelClient] = []
+
+    def get(self) -> SideChannelClient:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = SideChannelClient(**self._args)
+            with self._lock:
+                self._all.append(client)
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._all = self._all, []
+        for client in clients:
+            client.close()
