@@ -21,6 +21,9 @@ the request's runs into one buffer), the constant the cost model's copy term use
     python3 bench/nixl_staged.py --netns               # UCX tcp between two network namespaces (root, iproute2)
     # on the GPU device machine (host DRAM; NIXL there needs cuda_copy in UCX_TLS):
     UCX_TLS=self,sm,cma,tcp,cuda_copy python3 bench/nixl_staged.py --tokens 8192 --budget-s 500
+    # KV in GPU memory (cuda:0 in both processes): staging buffers in VRAM, gathers and scatters torch copies on
+    # the GPU (`transport.device_copy`); UCX_TLS left to UCX unless set
+    python3 bench/nixl_staged.py --mem VRAM --tokens 8192 --budget-s 300
 """
 
 from __future__ import annotations
@@ -62,8 +65,13 @@ DECODE = curve.DECODE
 WAYS = ("direct", "staged", "anchor")
 
 
-def transport_config(device: str = "") -> TransportConfig:
-    return TransportConfig(ucx_tls=os.environ.get("UCX_TLS", "self,sm,cma,tcp"), ucx_net_devices=device or "lo")
+def transport_config(device: str = "", mem: str = "DRAM") -> TransportConfig:
+    default = "self,sm,cma,tcp" if mem == "DRAM" else None  # GPU memory: UCX's own choice, as NixlReads leaves it
+    return TransportConfig(ucx_tls=os.environ.get("UCX_TLS", default), ucx_net_devices=device or "lo")
+
+
+def tls_of(args) -> str | None:
+    return transport_config(args.device, args.mem).ucx_tls
 
 
 def staging_config(args) -> BridgeConfig:
@@ -74,17 +82,18 @@ def staging_config(args) -> BridgeConfig:
 
 def prefill_main(args) -> None:
     work = Path(args.dir)
-    buf = curve.Buffer(curve.total_bytes(args), "DRAM", args.seed)
+    buf = curve.Buffer(curve.total_bytes(args), args.mem, args.seed)
+    tensors = (buf.tensor,) if args.mem == "VRAM" else ()
     bs = min(args.block_sizes)
     memory = curve.memories(args, "tp=1", bs, buf.addr)[DECODE]  # the whole buffer; the most blocks of any case
     layout = ParallelLayout.parse("tp=4")  # a stager and a side channel for each of up to four prefill workers
-    stagers = {rank: Stager(memory, args.staging_mib << 20, args.chunk_kib << 10) for rank in layout.workers()}
+    stagers = {rank: Stager(memory, args.staging_mib << 20, args.chunk_kib << 10, tensors) for rank in layout.workers()}
     servers = []
-    with NixlTransport("staged-prefill", transport_config(args.device)) as transport:
-        transport.register(buf.memory(), "DRAM")
+    with NixlTransport("staged-prefill", transport_config(args.device, args.mem)) as transport:
+        transport.register(buf.memory(), args.mem)
         for stager in stagers.values():
             stager.start()
-            transport.register(stager.memory_region, "DRAM")
+            transport.register(stager.memory_region, stager.mem_type)
 
         def answerer(stager: Stager):
             def answer(message: wire.Message) -> wire.Message:
@@ -133,6 +142,38 @@ class _Reads:
 
 
 def copy_rate(args) -> dict:
+    """The gather rate for the cost model (`device_copy_rate` for GPU memory)."""
+    return host_copy_rate() if args.mem == "DRAM" else device_copy_rate()
+
+
+def device_copy_rate() -> dict:
+    """`transport.device_copy.gather` on cuda:0 (what the stager runs for GPU memory) of 512 scattered rows of
+    4/16/64 KiB into one chunk, median of 5."""
+    import torch
+
+    from kvbridge.core.memory import Region
+    from kvbridge.core.staging import Piece
+    from kvbridge.transport.device_copy import DeviceViews, gather
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for kib in (4, 16, 64):
+        n = kib << 10
+        rows = torch.ones(1024 * n, dtype=torch.uint8, device="cuda:0")
+        views = DeviceViews([Region(rows.data_ptr(), rows.numel(), 0)], [rows])
+        blocks = rng.permutation(1024)[:512].astype(np.int64)
+        dst = torch.empty(512 * n, dtype=torch.uint8, device="cuda:0")
+        seg = [np.array([v], dtype=np.int64) for v in (rows.data_ptr(), n, n)]
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            gather(views, *seg, blocks, [Piece(0, 0, 512, 0)], dst)
+            times.append(time.perf_counter() - t0)
+        out[f"{kib}KiB"] = dst.numel() / statistics.median(times[1:]) / 1e9
+    return out
+
+
+def host_copy_rate() -> dict:
     """The host gather rate for the cost model: `transport.host_copy.gather` (what the stager runs) of 512 scattered
     rows of 4/16/64 KiB into one chunk, median of 5."""
     from kvbridge.core.memory import Region
@@ -171,13 +212,14 @@ def decode_main(args, child=None) -> list[dict]:
     for row in (work / "prefill.staging").read_text().splitlines():
         tp, s_addr, s_bytes, s_slot = (int(v) for v in row.split())
         staging[tp] = (Region(s_addr, s_bytes, 0), s_slot)
-    ref = curve.Buffer(nbytes, "DRAM", args.seed).view()
-    dst = curve.Buffer(nbytes, "DRAM", None)
+    ref = curve.Buffer(nbytes, args.mem, args.seed).view()  # the prefill's bytes (the same seed, the same device)
+    dst = curve.Buffer(nbytes, args.mem, None)
+    regions = (dst.tensor,) if args.mem == "VRAM" else ()
     rng = np.random.default_rng(args.seed + 1)
-    model = cost_model(True, os.environ.get("UCX_TLS", transport_config().ucx_tls))  # what the decode worker uses
+    model = cost_model(True, tls_of(args), args.mem)  # what the decode worker uses
     cases = []
-    with NixlTransport("staged-decode", transport_config(args.device)) as transport:
-        transport.register(dst.memory(), "DRAM")
+    with NixlTransport("staged-decode", transport_config(args.device, args.mem)) as transport:
+        transport.register(dst.memory(), args.mem)
         peer_name = transport.add_peer((work / "prefill.meta").read_bytes())
         reads = _Reads(transport)
         t_start = time.monotonic()
@@ -199,7 +241,7 @@ def decode_main(args, child=None) -> list[dict]:
                 key = id(dst_mem)
                 if key not in staged_by_mem:
                     ident = WorkerIdentity("bench-decode", plan.decode, 0, DECODE, plan.geometry)
-                    staged = StagedReads(ident, dst_mem, staging_config(args), reads, None, model)
+                    staged = StagedReads(ident, dst_mem, staging_config(args), reads, None, model, regions)
                     with reads._lock:
                         staged.start()
                     staged_by_mem[key] = staged
@@ -391,12 +433,13 @@ def render(path: Path) -> str:
     order = list(curve.PAIRS)
     cases = sorted(record["cases"], key=lambda c: (c["tokens"], c["block_size"], order.index(c["ratio"])))
     tls = record["transport"].rsplit("UCX_TLS=", 1)[-1]
-    model = cost_model(True, tls)  # the picks with the constants in the code now (the run's own are in its JSON)
+    mem = "VRAM" if ", VRAM, " in record["transport"] else "DRAM"
+    model = cost_model(True, None if tls == "None" else tls, mem)  # the picks with the constants in the code now
     rows = [
         f"Source: `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`; {record['transport']}; "
         f"machine: {record['machine'].get('host')} ({record['machine'].get('cpu_count')} CPUs); chunk "
         f"{cases[0]['chunk_bytes'] >> 10} KiB. Ratio = anchor time / time (median of {cases[0]['reps']}). "
-        f"Model picks: `core.staging.cost_model(same_host=True, UCX_TLS={tls})` per prefill worker read.",
+        f"Model picks: `core.staging.cost_model(same_host=True, UCX_TLS={tls}, {mem})` per prefill worker read.",
         "",
         "| tokens | block | TP | MiB | direct GB/s (descs) | staged GB/s (READs) | anchor GB/s | direct / anchor |"
         " staged / anchor | model picks | exact |",
@@ -467,8 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=400.0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--render", type=Path)
+    p.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM", help="where both sides' KV and staging live")
     args = p.parse_args(argv)
-    args.mem = "DRAM"
     if args.render:
         print(render(args.render))
         return 0
@@ -510,13 +553,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.netns
             else "NIXL UCX between two processes on one host, "
         )
-        + f"DRAM, {args.layout}, "
-        f"UCX_TLS={os.environ.get('UCX_TLS', transport_config().ucx_tls)}",
+        + f"{args.mem}, {args.layout}, "
+        f"UCX_TLS={tls_of(args)}",
         "machine": curve.machine(args),
         "copy_gbps": copy_rate(args),
         "cost_model": {
-            k: getattr(cost_model(True, os.environ.get("UCX_TLS", transport_config().ucx_tls)), k)
-            for k in StageCostModel.__dataclass_fields__
+            k: getattr(cost_model(True, tls_of(args), args.mem), k) for k in StageCostModel.__dataclass_fields__
         },
         "hosts": hosts_info,
         "wall_s": time.time() - t0,

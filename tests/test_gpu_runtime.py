@@ -81,3 +81,32 @@ def test_a_refused_claim_fails_the_ipc_load_before_any_kernel():
         assert worker["failed"] and not worker["ok"], worker
         assert worker["untouched_clean"], worker
     assert release_problems(s, result, by="abort") == []
+
+
+STAGED_VRAM = BridgeConfig(
+    lease_s=30.0,
+    transfer_timeout_s=60.0,
+    gpu_peer_copy="nixl",  # NIXL even on one host: the staged path is NIXL's
+    nixl_staging_bytes=1 << 20,
+    nixl_staging_chunk_bytes=1 << 16,  # a request takes several chunks: the pipeline and slot reuse run
+    nixl_staging="always",
+)
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("pp=1", "pp=1"), ("pp=2", "tp=2"), ("tp=2", "tp=1")])
+def test_staged_nixl_loads_in_gpu_memory_are_exact_and_give_every_slot_back(prefill, decode):
+    """The staged NIXL path with KV in GPU memory: each prefill worker gathers on its GPU into its VRAM staging
+    buffer (`transport.device_copy`), each decode worker READs the chunks into its own and scatters them on its GPU.
+    Every byte checked, every request freed by its readers' notifications, every staging slot back."""
+    s = replace(scenario(prefill, decode, repeats=2), config=STAGED_VRAM)
+    result = run_transfer(s, timeout_s=180)
+    for worker in result["decode"]:
+        assert worker["path"] == "nixl", worker
+        assert worker["ok"] and not worker["failed"], worker
+        assert worker["exact"] and worker["untouched_clean"], worker
+        assert worker["staged_parts"] >= 1 and worker["staged_fallbacks"] == 0, worker
+    assert release_problems(s, result) == []
+    for report in result["prefill"]:
+        staging = report["staging"]
+        assert staging["gathered_bytes"] > 0, report
+        assert staging["sessions"] == 0 and staging["free_slots"] == staging["num_slots"], report

@@ -105,12 +105,29 @@ NETWORK_TCP = StageCostModel(
 """UCX over tcp (another host, or a UCX_TLS without cma)."""
 
 
-def cost_model(same_host: bool, ucx_tls: str | None) -> StageCostModel:
-    """The model for a READ path: tcp's where UCX can only use tcp for it (another host, or no sm/cma in UCX_TLS,
-    and no RDMA transport named), else host memory's. RDMA (rc, dc, ud) was not measured: its descriptors cost about
-    what cma's do, so it gets the host-memory model, which stages only runs of a few KB."""
+GPU_EMULATED = StageCostModel(desc_s=20e-6, link_bytes_per_s=0.6e9, copy_bytes_per_s=100e9)
+"""GPU memory over a path UCX can only emulate (tcp through host bounce buffers: no cuda_ipc lane, no RDMA; two
+processes on one GPU): 0.6-0.7 GB/s for one large descriptor and 13-32 us more per descriptor
+(bench/GPU_RESULTS.md, session 6; `results/nixl-curve-vram-20261201-145621.json`). The copies are torch gathers in
+HBM (`transport.device_copy`), far faster than the link."""
+
+GPU_LINK = StageCostModel(desc_s=5e-6, link_bytes_per_s=100e9, copy_bytes_per_s=300e9)
+"""GPU memory over a GPU transport (UCX cuda_ipc between GPUs, RDMA): 3-5 us per descriptor (bench/GPU_RESULTS.md,
+session 1), the link not measured through NIXL here (NVLink moves 390 GB/s; 100 GB/s assumed): staging pays for any
+run below about a megabyte."""
+
+
+def cost_model(same_host: bool, ucx_tls: str | None, mem_type: str = "DRAM") -> StageCostModel:
+    """The model for a READ path. Host memory: tcp's where UCX can only use tcp for it (another host, or no sm/cma
+    in UCX_TLS, and no RDMA transport named), else host memory's. RDMA (rc, dc, ud) was not measured: its
+    descriptors cost about what cma's do, so it gets the host-memory model, which stages only runs of a few KB.
+    GPU memory ("VRAM"): the emulated model where UCX_TLS names no CUDA or RDMA transport, else the GPU link's
+    (UCX's own choice, None, included: on one host it may still emulate; both models stage runs of 16-64 KiB)."""
     names = {t.strip().lower() for t in (ucx_tls or "").split(",") if t.strip()}
     rdma = any(n.startswith(("rc", "dc", "ud", "ib", "gdr")) or n == "all" for n in names)
+    if mem_type == "VRAM":
+        gpu = rdma or any(n.startswith("cuda_ipc") for n in names) or not names or ucx_tls.startswith("^")
+        return GPU_LINK if gpu else GPU_EMULATED
     if not names or rdma or ucx_tls.startswith("^"):
         return HOST_MEMORY
     local = same_host and bool(names & {"sm", "cma", "shm", "posix", "sysv", "xpmem", "knem"})

@@ -149,6 +149,7 @@ class DecodeWorker:
             failed=self._fail,
             tell=self._tell,
             sealer=self.sealer,
+            regions=self._regions,
         )
         self.budget = ReadBudget(config, block_bytes(memory))  # deadlines that grow with the bytes in flight
         self.ipc: IpcReads | None = None  # when this worker may read through CUDA IPC (from start())

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from kvbridge.core.token_runs import worker_token_descriptors
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.peers import Engine, PeerBook
-from kvbridge.runtime.prefill_worker import transport_config
+from kvbridge.runtime.prefill_worker import staging_copies, transport_config
 from kvbridge.runtime.staged_reads import StagedReads
 from kvbridge.transport.nixl import MemType, NixlTransport, PreparedLists
 from kvbridge.wire import messages as wire
@@ -131,9 +131,11 @@ class NixlReads:
         failed: Callable[[Load, str], None],
         tell: Callable[[wire.Message, LoadJob, tuple[WorkerRank, ...]], None],
         sealer=None,
+        regions: Sequence = (),
     ) -> None:
         """`loaded(load)` and `failed(load, error)` report a load to the decode worker; `tell(message, job, ranks)`
-        queues a message for the notifier."""
+        queues a message for the notifier. `regions`: `memory`'s regions as tensors (GPU memory: the staged path
+        stages in VRAM with torch copies; without them GPU memory has no staged path)."""
         self.identity = identity
         self.memory = memory
         self.config = config
@@ -152,9 +154,10 @@ class NixlReads:
         self._segments: dict[str, Segments] = {}
         self._prepared: dict[str, PreparedLists | None] = {}
         self._judged: set[str] = set()  # engine ids whose transport has been judged (one log line each)
-        # The staged path (host memory, staging configured): parts of loads read in large chunks, then scattered.
-        staged = mem_type == "DRAM" and config.nixl_staging_bytes > 0 and self.memory.num_groups == 1
-        self.staged = StagedReads(identity, memory, config, self, sealer) if staged else None
+        # The staged path (staging configured): parts of loads read in large chunks, then scattered.
+        tensors = staging_copies(mem_type, regions, memory)
+        staged = tensors is not None and config.nixl_staging_bytes > 0 and self.memory.num_groups == 1
+        self.staged = StagedReads(identity, memory, config, self, sealer, regions=tensors) if staged else None
 
     def start(self) -> None:
         self.transport.start()

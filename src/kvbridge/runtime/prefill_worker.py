@@ -17,6 +17,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig
@@ -48,10 +49,13 @@ class PrefillWorker:
         clock=time.monotonic,
         ipc: tuple[IpcHandle, ...] = (),
         key: bytes | None = None,
+        regions: Sequence = (),
     ) -> None:
         """`ipc`: CUDA IPC handles of `memory`'s regions (`cuda_ipc.export_region`), published in the handshake
         so that decode workers on this host can read with a GPU kernel instead of NIXL. `key`: the deployment key
-        (`wire.auth.load_key`); without one the side channel must listen on loopback (ConfigError otherwise)."""
+        (`wire.auth.load_key`); without one the side channel must listen on loopback (ConfigError otherwise).
+        `regions`: `memory`'s regions as tensors (`torch_memory.region_tensors`); with GPU memory they enable the
+        staged NIXL path in VRAM (`nixl_staging_bytes`)."""
         self.identity = identity
         self.ipc = ipc
         self.memory = memory
@@ -73,9 +77,10 @@ class PrefillWorker:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: SideChannelServer | None = None
-        self.stager: Stager | None = None  # the staged NIXL path (host memory only), when staging is configured
-        if config.nixl_staging_bytes and mem_type == "DRAM":
-            self.stager = Stager(memory, config.nixl_staging_bytes, config.nixl_staging_chunk_bytes)
+        self.stager: Stager | None = None  # the staged NIXL path, when staging is configured
+        tensors = staging_copies(mem_type, regions, memory)
+        if config.nixl_staging_bytes and tensors is not None:
+            self.stager = Stager(memory, config.nixl_staging_bytes, config.nixl_staging_chunk_bytes, tensors)
 
     def start(self) -> PrefillWorker:
         if not self.config.check_exposure(self.key is not None):
@@ -87,7 +92,7 @@ class PrefillWorker:
         self.transport.register(self.memory, self.mem_type)
         if self.stager is not None:  # before the metadata: readers see the staging buffer with the KV
             self.stager.start()
-            self.transport.register(self.stager.memory_region, "DRAM")
+            self.transport.register(self.stager.memory_region, self.stager.mem_type)
         ident = self.identity
         reply = wire.HandshakeReply.build(
             ident.engine_id,
@@ -291,6 +296,15 @@ def _warn_once(text: str) -> None:
     if text not in _warned:
         _warned.add(text)
         logger.warning(text)
+
+
+def staging_copies(mem_type: MemType, regions: Sequence, memory: WorkerMemory) -> tuple | None:
+    """How a worker's staged NIXL path copies: () for host copies (KV in host memory), the region tensors for
+    torch copies on their GPU (KV in GPU memory, tensors given), None for no staged path (GPU memory without
+    the tensors that own it)."""
+    if mem_type == "DRAM":
+        return ()
+    return tuple(regions) if regions and len(regions) == len(memory.regions) else None
 
 
 def transport_config(config: BridgeConfig, mem_type: MemType) -> TransportConfig:

@@ -1,8 +1,11 @@
 """A decode worker's staged NIXL path: read a prefill worker's part of a load as a few large chunks, then scatter.
 
 Chosen per (load, prefill worker) by `core.staging.StageCostModel` from the part's bytes and its coalesced
-descriptor count, where both sides have staging buffers (`nixl_staging_bytes`; host memory only) and this worker has
-free slots (else the part is read directly, as before). A part runs on a driver thread of its own:
+descriptor count, where both sides have staging buffers (`nixl_staging_bytes`) and this worker has free slots (else
+the part is read directly, as before). With KV in host memory the buffer is host memory and the scatters numpy/torch
+CPU copies (`transport.host_copy`); with KV in GPU memory (`regions`: the KV regions as tensors) the buffer is VRAM
+on that GPU and the scatters torch copies there (`transport.device_copy`), and the prefill worker gathers on its
+GPU the same way. A part runs on a driver thread of its own:
 
     for chunk k:  Stage(k, released=k) over the side channel  -> the prefill worker gathers chunk k (it gathered
                   it ahead while chunk k-1 was read) and answers where it is (`Staged`)
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
@@ -37,7 +41,7 @@ from kvbridge.core.staging import StageCostModel, StageLayout, cost_model
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.peers import Peer, address
 from kvbridge.runtime.staging import DEPTH
-from kvbridge.transport.host_copy import HostViews, scatter
+from kvbridge.transport import device_copy, host_copy
 from kvbridge.transport.nixl import Backoff, Transfer
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
@@ -84,7 +88,9 @@ class StagedReads:
         nixl: NixlReads,
         sealer: Sealer | None,
         model: StageCostModel | None = None,
+        regions: Sequence = (),
     ) -> None:
+        """`regions`: `memory`'s regions as tensors for GPU memory (torch copies on their device); empty: host."""
         self.identity = identity
         self.memory = memory
         self.config = config
@@ -93,9 +99,12 @@ class StagedReads:
         self.model = model  # None: chosen per peer by its path (`core.staging.cost_model`)
         self.slot_bytes = config.nixl_staging_chunk_bytes
         self.num_slots = config.nixl_staging_bytes // self.slot_bytes if config.nixl_staging_bytes else 0
-        self.buffer: np.ndarray | None = None
+        self.buffer = None  # np.ndarray (host) or torch.Tensor (device), from start()
         self.region: Region | None = None
-        self._views: HostViews | None = None
+        self._tensors = tuple(regions)
+        self.mem_type = "VRAM" if self._tensors and self._tensors[0].is_cuda else "DRAM"
+        self._views = None
+        self._scatter = device_copy.scatter if self._tensors else host_copy.scatter
         self._lock = threading.Lock()
         self._free: list[int] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -115,10 +124,15 @@ class StagedReads:
         """Allocate and register the staging buffer (the caller holds the NIXL lock), start the drivers' pool."""
         if not self.enabled:
             return
-        self.buffer = np.zeros(self.num_slots * self.slot_bytes, dtype=np.uint8)
-        self.region = Region(self.buffer.ctypes.data, self.buffer.nbytes, 0)
-        self.nixl.transport.register(WorkerMemory((self.region,), ()), "DRAM")
-        self._views = HostViews(self.memory.regions)
+        nbytes = self.num_slots * self.slot_bytes
+        if self._tensors:
+            self.buffer, self.region = device_copy.staging_buffer(nbytes, self._tensors[0])
+            self._views = device_copy.DeviceViews(self.memory.regions, self._tensors)
+        else:
+            self.buffer = np.zeros(nbytes, dtype=np.uint8)
+            self.region = Region(self.buffer.ctypes.data, self.buffer.nbytes, 0)
+            self._views = host_copy.HostViews(self.memory.regions)
+        self.nixl.transport.register(WorkerMemory((self.region,), ()), self.mem_type)
         self._free = list(range(self.num_slots))
         self._pool = ThreadPoolExecutor(
             max(1, self.num_slots // DEPTH), thread_name_prefix="kvbridge-staged", initializer=unpin_this_thread
@@ -148,7 +162,7 @@ class StagedReads:
             return None
         chunk = min(self.slot_bytes, peer.staging_slot_bytes)
         nbytes = segments.block_bytes * len(s_blocks)
-        model = self.model or cost_model(peer.same_host, self.nixl.transport.ucx_env.get("UCX_TLS"))
+        model = self.model or cost_model(peer.same_host, self.nixl.transport.ucx_env.get("UCX_TLS"), self.mem_type)
         if self.config.nixl_staging != "always" and not model.prefers_staged(nbytes, descriptors, chunk):
             return None
         try:
@@ -168,8 +182,9 @@ class StagedReads:
             self._announced.add(peer.agent)
         if first:  # once per prefill agent: which path its reads take is worth a line
             logger.info(
-                "kvbridge decode %s: staged NIXL reads from %s (%d B in %d chunks for %d descriptors direct)",
+                "kvbridge decode %s: staged NIXL reads (%s) from %s (%d B in %d chunks for %d descriptors direct)",
                 self.identity,
+                self.mem_type,
                 peer.agent,
                 nbytes,
                 len(part.chunks),
@@ -261,7 +276,7 @@ class StagedReads:
             chunk = self.buffer[slot : slot + answer.nbytes]
             views, d_blocks = self._views, part.d_blocks
             scatters[k] = self._scatters.submit(
-                scatter, views, seg.dst_addr, seg.dst_block_stride, seg.length, d_blocks, pieces, chunk
+                self._scatter, views, seg.dst_addr, seg.dst_block_stride, seg.length, d_blocks, pieces, chunk
             )
 
     def _read(self, part: StagedPart, remote_offset: int, local_offset: int, nbytes: int, note: bytes) -> None:

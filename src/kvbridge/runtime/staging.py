@@ -8,6 +8,10 @@ descriptor. The buffer is allocated and registered once, at start (`staging_byte
 chunk k + 1 is gathered (by the gather thread, right after chunk k is handed out) while chunk k is read, and chunk
 k + DEPTH only once the reader says chunk k is read (`released`).
 
+With KV in GPU memory (`tensors`: the KV regions as tensors) the buffer is VRAM and the gathers are torch copies on
+that GPU (`transport.device_copy`); in host memory, numpy/torch CPU copies (`transport.host_copy`). Everything
+else is the same.
+
 A session ends, its slots free, when its reader's notification arrives (carried by its last READ, so every chunk
 was read), when the request leaves the lease book (all readers done, aborted, expired), or when its claim's pin
 lapses. Gathering checks that the request is claimed by this reader with these blocks (`LeaseBook.reading`, by the
@@ -20,13 +24,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvbridge.core.memory import Region, WorkerMemory
 from kvbridge.core.staging import Piece, StageLayout, runs_inside
-from kvbridge.transport.host_copy import HostViews, gather
+from kvbridge.transport import device_copy, host_copy
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 
@@ -57,15 +62,23 @@ class _Session:
 
 
 class Stager:
-    def __init__(self, memory: WorkerMemory, staging_bytes: int, slot_bytes: int) -> None:
+    def __init__(self, memory: WorkerMemory, staging_bytes: int, slot_bytes: int, tensors: Sequence = ()) -> None:
+        """`tensors`: `memory`'s regions as tensors (GPU memory: the buffer and the gathers on their device);
+        empty: host memory."""
         if slot_bytes <= 0 or staging_bytes < slot_bytes:
             raise ValueError(f"staging of {staging_bytes} bytes has no slot of {slot_bytes} bytes")
         self.memory = memory
         self.slot_bytes = slot_bytes
         self.num_slots = staging_bytes // slot_bytes
-        self.buffer: np.ndarray | None = None
+        self.buffer = None  # np.ndarray (host) or torch.Tensor (device), from start()
         self.region: Region | None = None
-        self._views = HostViews(memory.regions)
+        self._tensors = tuple(tensors)
+        if self._tensors:
+            self._views = device_copy.DeviceViews(memory.regions, self._tensors)
+            self._gather = device_copy.gather
+        else:
+            self._views = host_copy.HostViews(memory.regions)
+            self._gather = host_copy.gather
         self._kv_bytes = sum(r.nbytes for r in memory.regions)
         self._lock = threading.Lock()  # the free slots and the sessions
         self._free: list[int] = []
@@ -76,9 +89,13 @@ class Stager:
         self.refused = 0
 
     def start(self) -> Stager:
-        """Allocate the staging buffer (host memory; the caller registers `region`) and start the gather thread."""
-        self.buffer = np.zeros(self.num_slots * self.slot_bytes, dtype=np.uint8)
-        self.region = Region(self.buffer.ctypes.data, self.buffer.nbytes, 0)
+        """Allocate the staging buffer (host memory, or on the KV tensors' device; the caller registers `region`
+        as `mem_type`) and start the gather thread."""
+        if self._tensors:
+            self.buffer, self.region = device_copy.staging_buffer(self.num_slots * self.slot_bytes, self._tensors[0])
+        else:
+            self.buffer = np.zeros(self.num_slots * self.slot_bytes, dtype=np.uint8)
+            self.region = Region(self.buffer.ctypes.data, self.buffer.nbytes, 0)
         self._free = list(range(self.num_slots))
         self._thread = threading.Thread(target=self._run, name="kvbridge-stage", daemon=True)
         self._thread.start()
@@ -88,6 +105,11 @@ class Stager:
         self._todo.put(None)
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    @property
+    def mem_type(self) -> str:
+        """How NIXL registers the buffer."""
+        return "VRAM" if self._tensors and self._tensors[0].is_cuda else "DRAM"
 
     @property
     def memory_region(self) -> WorkerMemory:
@@ -185,7 +207,7 @@ class Stager:
             return False
         offset = self._offset(session, k)
         out = self.buffer[offset : offset + self.slot_bytes]
-        self.gathered_bytes += gather(
+        self.gathered_bytes += self._gather(
             self._views, session.addr, session.block_stride, session.length, session.blocks, session.chunks[k], out
         )
         session.gathered = k + 1

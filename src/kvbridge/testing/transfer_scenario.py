@@ -162,7 +162,7 @@ def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
         from kvbridge.transport.cuda_ipc import export_region
 
         ipc = tuple(export_region(r) for r in regions)
-    worker = PrefillWorker(ident, memory, config, "VRAM" if cuda else "DRAM", ipc=ipc).start()
+    worker = PrefillWorker(ident, memory, config, "VRAM" if cuda else "DRAM", ipc=ipc, regions=regions).start()
     try:
         blocks = tuple(scenario.blocks()[0])
         for request_id in held_ids(scenario):

@@ -159,7 +159,9 @@ class WorkerSide:
             # the CUDA IPC gather kernel takes one block list for all layers: several KV-cache groups read via NIXL
             ipc_ok = first.is_cuda and self.config.gpu_peer_copy == "auto" and memory.num_groups == 1
             ipc = share_regions(regions) if ipc_ok else ()
-            self.prefill = PrefillWorker(identity, memory, self.config, mem_type, ipc=ipc, key=self.key).start()
+            self.prefill = PrefillWorker(
+                identity, memory, self.config, mem_type, ipc=ipc, key=self.key, regions=regions
+            ).start()
         if self.is_consumer:
             self.decode = DecodeWorker(identity, memory, self.config, mem_type, regions, key=self.key).start()
 
