@@ -2,7 +2,7 @@
 # Issue 17 item 4, goal (a), on the device machine (nvidia-h200, one GPU; through the device tool with carry
 # [".whl-min"], from the repository root):
 #   bash bench/session9_gpu_staged.sh          # the GPU tests, then every cell: block 16/64/128 x TP same/2:1/1:2/4:1
-#   DRY=1 bash bench/session9_gpu_staged.sh    # one staged GPU test and one cell (block 16, same), chunk 8 and 32 MiB
+#   DRY=1 bash bench/session9_gpu_staged.sh    # the staged GPU tests and one cell (block 16, same), chunk 8 and 32 MiB
 # bench/nixl_staged.py --mem VRAM: KV and staging buffers on cuda:0 in both processes, scattered 8k-token requests,
 # direct vs staged vs the one-descriptor anchor side by side (UCX_TLS left to UCX: two processes on one GPU get no
 # cuda_ipc lane, so UCX emulates every READ over tcp/lo; the ratio to the anchor on the same transport is the
@@ -22,18 +22,18 @@ bench() {  # chunk KiB, then nixl_staged.py's own arguments
   local chunk=$1
   shift
   echo "== nixl_staged --mem VRAM chunk ${chunk} KiB $*, t=$(($(date +%s) - T0)) s"
-  timeout "${BENCH_TIMEOUT:-330}" python3 bench/nixl_staged.py --mem VRAM --tokens 8192 --chunk-kib "$chunk" \
+  timeout "${BENCH_TIMEOUT:-380}" python3 bench/nixl_staged.py --mem VRAM --tokens 8192 --chunk-kib "$chunk" \
     --staging-mib 256 --out "$OUT" "$@" 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/staged-vram.log"
 }
 if [ -n "${DRY:-}" ]; then
   echo "== GPU test (staged, one pair), t=$(($(date +%s) - T0)) s"
-  timeout 150 python3 -m pytest -q -rs -x tests/test_gpu_runtime.py -k "staged and pp=1-pp=1" -p no:cacheprovider 2>&1 \
+  timeout 150 python3 -m pytest -q -rs -x tests/test_gpu_runtime.py -k staged_nixl -p no:cacheprovider 2>&1 \
     | tail -40 | tee "$OUT/gpu-tests-dry.log"
   BENCH_TIMEOUT=120 bench 8192 --block-sizes 16 --ratios same --reps 1 --budget-s 60
   BENCH_TIMEOUT=120 bench 32768 --block-sizes 16 --ratios same --reps 1 --budget-s 60
 else
   echo "== GPU tests, t=$(($(date +%s) - T0)) s"
-  timeout 200 python3 -m pytest -q -rs tests/test_gpu_runtime.py -p no:cacheprovider 2>&1 | tail -60 \
+  timeout 180 python3 -m pytest -q -rs tests/test_gpu_runtime.py -p no:cacheprovider 2>&1 | tail -60 \
     | tee "$OUT/gpu-runtime.log"
   bench "${CHUNK_KIB:-8192}" --block-sizes 16 64 128 --reps 3 --budget-s "${BUDGET_S:-300}"
 fi
