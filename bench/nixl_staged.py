@@ -434,16 +434,25 @@ def render(path: Path) -> str:
     cases = sorted(record["cases"], key=lambda c: (c["tokens"], c["block_size"], order.index(c["ratio"])))
     tls = record["transport"].rsplit("UCX_TLS=", 1)[-1]
     mem = "VRAM" if ", VRAM, " in record["transport"] else "DRAM"
-    model = cost_model(True, None if tls == "None" else tls, mem)  # the picks with the constants in the code now
+    tls_arg = None if tls == "None" else tls
+    model = cost_model(True, tls_arg, mem)  # the picks with the constants in the code now
+    # GPU memory: also the picks once the first load's rate showed UCX emulating the path (NixlReads._judge_rate)
+    emulated = cost_model(True, tls_arg, mem, emulated=True) if mem == "VRAM" else None
+    extra_head = " picked / anchor | emulated model picks | picked / anchor |" if emulated else ""
     rows = [
         f"Source: `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`; {record['transport']}; "
         f"machine: {record['machine'].get('host')} ({record['machine'].get('cpu_count')} CPUs); chunk "
         f"{cases[0]['chunk_bytes'] >> 10} KiB. Ratio = anchor time / time (median of {cases[0]['reps']}). "
-        f"Model picks: `core.staging.cost_model(same_host=True, UCX_TLS={tls}, {mem})` per prefill worker read.",
+        f"Model picks: `core.staging.cost_model(same_host=True, UCX_TLS={tls}, {mem})` per prefill worker read"
+        + (
+            ", and with `emulated=True` (what the decode worker uses once a load's rate shows emulation)."
+            if emulated
+            else "."
+        ),
         "",
         "| tokens | block | TP | MiB | direct GB/s (descs) | staged GB/s (READs) | anchor GB/s | direct / anchor |"
-        " staged / anchor | model picks | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " staged / anchor | model picks |" + extra_head + " exact |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if emulated else "") + "---|",
     ]
     for c in cases:
 
@@ -453,12 +462,18 @@ def render(path: Path) -> str:
         def r(w, c=c):
             return f"{c[w]['ratio_to_anchor']:.2f}" if w in c and "ratio_to_anchor" in c[w] else "-"
 
-        picks = {model.prefers_staged(m["bytes"], m["descriptors"], c["chunk_bytes"]) for m in c["model"].values()}
-        pick = "staged" if picks == {True} else "direct" if picks == {False} else "mixed"
+        def pick(m, c=c):
+            picks = {m.prefers_staged(v["bytes"], v["descriptors"], c["chunk_bytes"]) for v in c["model"].values()}
+            return "staged" if picks == {True} else "direct" if picks == {False} else "mixed"
+
+        extra = ""
+        if emulated:
+            p1, p2 = pick(model), pick(emulated)
+            extra = f" {r(p1) if p1 != 'mixed' else '-'} | {p2} | {r(p2) if p2 != 'mixed' else '-'} |"
         rows.append(
             f"| {c['tokens']} | {c['block_size']} | {c['ratio']} | {c['bytes'] / 2**20:.0f} | {g('direct')} "
             f"({c['descriptors']['direct']}) | {g('staged')} ({c['descriptors']['staged']}) | {g('anchor')} | "
-            f"{r('direct')} | {r('staged')} | {pick} | {'yes' if all(c['exact'].values()) else 'NO'} |"
+            f"{r('direct')} | {r('staged')} | {pick(model)} |{extra} {'yes' if all(c['exact'].values()) else 'NO'} |"
         )
     return "\n".join(rows) + "\n"
 

@@ -2,6 +2,7 @@
 # Issue 17 item 4, goal (a), on the device machine (nvidia-h200, one GPU; through the device tool with carry
 # [".whl-min"], from the repository root):
 #   bash bench/session9_gpu_staged.sh          # the GPU tests, then every cell: block 16/64/128 x TP same/2:1/1:2/4:1
+#   BENCH_ONLY=1 CHUNK2_KIB=16384 bash bench/session9_gpu_staged.sh   # no tests; block 16 again at 16 MiB chunks
 #   DRY=1 bash bench/session9_gpu_staged.sh    # the staged GPU tests and one cell (block 16, same), chunk 8 and 32 MiB
 # bench/nixl_staged.py --mem VRAM: KV and staging buffers on cuda:0 in both processes, scattered 8k-token requests,
 # direct vs staged vs the one-descriptor anchor side by side (UCX_TLS left to UCX: two processes on one GPU get no
@@ -32,9 +33,14 @@ if [ -n "${DRY:-}" ]; then
   BENCH_TIMEOUT=120 bench 8192 --block-sizes 16 --ratios same --reps 1 --budget-s 60
   BENCH_TIMEOUT=120 bench 32768 --block-sizes 16 --ratios same --reps 1 --budget-s 60
 else
-  echo "== GPU tests, t=$(($(date +%s) - T0)) s"
-  timeout 180 python3 -m pytest -q -rs tests/test_gpu_runtime.py -p no:cacheprovider 2>&1 | tail -60 \
-    | tee "$OUT/gpu-runtime.log"
+  if [ -z "${BENCH_ONLY:-}" ]; then
+    echo "== GPU tests, t=$(($(date +%s) - T0)) s"
+    timeout 180 python3 -m pytest -q -rs tests/test_gpu_runtime.py -p no:cacheprovider 2>&1 | tail -60 \
+      | tee "$OUT/gpu-runtime.log"
+  fi
   bench "${CHUNK_KIB:-8192}" --block-sizes 16 64 128 --reps 3 --budget-s "${BUDGET_S:-300}"
+  if [ -n "${CHUNK2_KIB:-}" ]; then  # block 16 again with another chunk size
+    BENCH_TIMEOUT=150 bench "$CHUNK2_KIB" --block-sizes 16 --reps 3 --budget-s 100
+  fi
 fi
 echo "== done, t=$(($(date +%s) - T0)) s"

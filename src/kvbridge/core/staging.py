@@ -105,11 +105,13 @@ NETWORK_TCP = StageCostModel(
 """UCX over tcp (another host, or a UCX_TLS without cma)."""
 
 
-GPU_EMULATED = StageCostModel(desc_s=20e-6, link_bytes_per_s=0.6e9, copy_bytes_per_s=100e9)
+GPU_EMULATED = StageCostModel(desc_s=14e-6, link_bytes_per_s=0.51e9, stage_bytes_per_s=0.43e9, copy_bytes_per_s=50e9)
 """GPU memory over a path UCX can only emulate (tcp through host bounce buffers: no cuda_ipc lane, no RDMA; two
-processes on one GPU): 0.6-0.7 GB/s for one large descriptor and 13-32 us more per descriptor
-(bench/GPU_RESULTS.md, session 6; `results/nixl-curve-vram-20261201-145621.json`). The copies are torch gathers in
-HBM (`transport.device_copy`), far faster than the link."""
+processes on one GPU), fitted to bench/results/nixl-staged-vram-20261201-204323.json (one H200): least squares of
+its 24 direct and anchor READs (14 us per descriptor, 0.51 GB/s; median error 3.5%), the median rate of its 12
+staged parts (8 MiB READs one after another: 0.43 GB/s), and a torch gather of 16 KiB rows on the GPU (54 GB/s;
+4 KiB rows 13, 64 KiB 211). It stages only where descriptors are many and small (TP 4:1, 2:1 and 1:2 at block 16).
+"""
 
 GPU_LINK = StageCostModel(desc_s=5e-6, link_bytes_per_s=100e9, copy_bytes_per_s=300e9)
 """GPU memory over a GPU transport (UCX cuda_ipc between GPUs, RDMA): 3-5 us per descriptor (bench/GPU_RESULTS.md,
@@ -117,17 +119,18 @@ session 1), the link not measured through NIXL here (NVLink moves 390 GB/s; 100 
 run below about a megabyte."""
 
 
-def cost_model(same_host: bool, ucx_tls: str | None, mem_type: str = "DRAM") -> StageCostModel:
+def cost_model(same_host: bool, ucx_tls: str | None, mem_type: str = "DRAM", emulated: bool = False) -> StageCostModel:
     """The model for a READ path. Host memory: tcp's where UCX can only use tcp for it (another host, or no sm/cma
     in UCX_TLS, and no RDMA transport named), else host memory's. RDMA (rc, dc, ud) was not measured: its
     descriptors cost about what cma's do, so it gets the host-memory model, which stages only runs of a few KB.
-    GPU memory ("VRAM"): the emulated model where UCX_TLS names no CUDA or RDMA transport, else the GPU link's
-    (UCX's own choice, None, included: on one host it may still emulate; both models stage runs of 16-64 KiB)."""
+    GPU memory ("VRAM"): the emulated model where UCX_TLS names no CUDA or RDMA transport or the path was found
+    emulated (`emulated`: its READs ran at a rate no GPU transport has, `NixlReads._judge_rate`), else the GPU
+    link's (UCX's own choice, None, included: until a READ tells, a GPU lane is assumed)."""
     names = {t.strip().lower() for t in (ucx_tls or "").split(",") if t.strip()}
     rdma = any(n.startswith(("rc", "dc", "ud", "ib", "gdr")) or n == "all" for n in names)
     if mem_type == "VRAM":
         gpu = rdma or any(n.startswith("cuda_ipc") for n in names) or not names or ucx_tls.startswith("^")
-        return GPU_LINK if gpu else GPU_EMULATED
+        return GPU_LINK if gpu and not emulated else GPU_EMULATED
     if not names or rdma or ucx_tls.startswith("^"):
         return HOST_MEMORY
     local = same_host and bool(names & {"sm", "cma", "shm", "posix", "sysv", "xpmem", "knem"})

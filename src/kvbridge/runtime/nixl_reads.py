@@ -154,6 +154,7 @@ class NixlReads:
         self._segments: dict[str, Segments] = {}
         self._prepared: dict[str, PreparedLists | None] = {}
         self._judged: set[str] = set()  # engine ids whose transport has been judged (one log line each)
+        self._emulated: set[str] = set()  # engine ids judged emulated (the staged path's cost model follows)
         # The staged path (staging configured): parts of loads read in large chunks, then scattered.
         tensors = staging_copies(mem_type, regions, memory)
         staged = tensors is not None and config.nixl_staging_bytes > 0 and self.memory.num_groups == 1
@@ -324,6 +325,7 @@ class NixlReads:
         reason = emulation_reason(self.mem_type, self.transport.ucx_env.get("UCX_TLS"))
         if reason:
             self._judged.add(engine_id)
+            self._emulated.add(engine_id)
             logger.warning(
                 "kvbridge decode %s: NIXL from prefill engine %s: %s; loads will be slow (their deadlines allow %g "
                 "GB/s), not failed",
@@ -346,6 +348,7 @@ class NixlReads:
         rate = load.nbytes / seconds
         if rate >= SLOW_GPU_BYTES_PER_S:
             return
+        self._emulated.add(engine.key[0])
         same_host = all(p.same_host for p in engine.peers.values())
         logger.warning(
             "kvbridge decode %s: NIXL READs of GPU memory from prefill engine %s run at %.2f GB/s (%.0f MB in %.2f s)"
@@ -434,7 +437,8 @@ class NixlReads:
         for rank, d in descs.items():
             peer = engine.peers[rank]
             s_blocks, d_blocks = block_lists(src_blocks, dst_blocks, peer.memory, self.memory)
-            part = self.staged.consider(load, rank, peer, segments[rank], s_blocks, d_blocks, len(d))
+            emulated = engine.key[0] in self._emulated
+            part = self.staged.consider(load, rank, peer, segments[rank], s_blocks, d_blocks, len(d), emulated)
             if part is not None:
                 parts.append(part)
         return parts

@@ -155,14 +155,25 @@ class StagedReads:
     # -- choosing -----------------------------------------------------------------------------------
 
     def consider(
-        self, load: Load, rank: WorkerRank, peer: Peer, segments: Segments, s_blocks, d_blocks, descriptors: int
+        self,
+        load: Load,
+        rank: WorkerRank,
+        peer: Peer,
+        segments: Segments,
+        s_blocks,
+        d_blocks,
+        descriptors: int,
+        emulated: bool = False,
     ) -> StagedPart | None:
-        """A part to read staged (its slots reserved), or None: read it directly."""
+        """A part to read staged (its slots reserved), or None: read it directly. `emulated`: the peer's READs
+        were found emulated by UCX (GPU memory; the cost model then takes that path's constants)."""
         if not self.enabled or peer.staging is None or not peer.staging_slot_bytes or not len(segments):
             return None
         chunk = min(self.slot_bytes, peer.staging_slot_bytes)
         nbytes = segments.block_bytes * len(s_blocks)
-        model = self.model or cost_model(peer.same_host, self.nixl.transport.ucx_env.get("UCX_TLS"), self.mem_type)
+        model = self.model or cost_model(
+            peer.same_host, self.nixl.transport.ucx_env.get("UCX_TLS"), self.mem_type, emulated
+        )
         if self.config.nixl_staging != "always" and not model.prefers_staged(nbytes, descriptors, chunk):
             return None
         try:
