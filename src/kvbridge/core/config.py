@@ -105,7 +105,8 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     environment variable decides ("1": on), for benches and tests."""
 
     nixl_staging_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 36)] = 0
-    """Host memory for the staged NIXL path (KV in host memory only), allocated and registered once per worker: a
+    """Memory for the staged NIXL path (host memory, or VRAM on the KV's GPU when the KV is in GPU memory:
+    `transport.device_copy`), allocated and registered once per worker: a
     prefill worker gathers a reader's scattered runs into it, a decode worker READs them there in large chunks and
     scatters them into its KV (`core.staging`, `runtime.staging`, `runtime.staged_reads`). Both sides need it; a
     decode worker stages a read only where the cost model expects it to beat posting every run (`nixl_staging`).
