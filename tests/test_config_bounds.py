@@ -320,3 +320,62 @@ def test_every_proxy_setting_is_a_command_line_flag_that_reaches_the_config():
         assert getattr(config, field.name) == new, flag
     with pytest.raises(ConfigError, match="max_body_bytes"):
         proxy.config_from_args(parser.parse_args([*base, "--max-body-bytes", "0"]))
+
+
+# --- the decode's scheduler side (vLLM's configs as plain namespaces: no server) ---------------------------------
+
+PROMPT = list(range(1, 41))
+
+
+def scheduler(**bounds):
+    from types import SimpleNamespace
+
+    from kvbridge.vllm.scheduler_side import SchedulerSide
+
+    kv = SimpleNamespace(engine_id="engine-d", is_kv_producer=False, is_kv_consumer=True, kv_load_failure_policy="fail")
+    parallel = SimpleNamespace(
+        pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=0
+    )
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=16)
+    )
+    return SchedulerSide(vllm_config, BridgeConfig(**bounds))
+
+
+def ask(side, request_id: str, remote_request_id: str, blocks: int = 3) -> str | None:
+    """The reason `side` refuses the request's params (its `rejected_params` metric label), or None if it takes
+    them."""
+    from types import SimpleNamespace
+
+    from kvbridge.wire.params import prompt_hash
+
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_request_id": remote_request_id,
+        "remote_block_ids": list(range(1, blocks + 1)),
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_layout": "pp=1,tp=1",
+        "remote_num_tokens": len(PROMPT),
+        "remote_prompt_hash": prompt_hash(PROMPT),
+    }
+    side.get_num_new_matched_tokens(
+        SimpleNamespace(request_id=request_id, kv_transfer_params=params, prompt_token_ids=PROMPT), 0
+    )
+    stats = side.take_stats()  # None: nothing to report
+    return next(iter(stats.data.get("rejected_params", {})), None) if stats else None
+
+
+@pytest.mark.parametrize("remembered", [None, 1])
+def test_the_replay_memory_holds_max_seen_params(remembered):
+    """Params used by one request are refused for another (`replayed`) while remembered: with the default, after
+    another request's params came in between; with max_seen_params 1, they are forgotten by then."""
+    side = scheduler(**({} if remembered is None else {"max_seen_params": remembered}))
+    assert ask(side, "d1", "r-a") is None and ask(side, "d2", "r-b") is None
+    assert ask(side, "d3", "r-a") == ("replayed" if remembered is None else None)
+
+
+def test_the_scheduler_side_takes_its_block_bound_from_the_config():
+    assert ask(scheduler(), "d1", "r-a", blocks=3) is None
+    assert ask(scheduler(max_remote_blocks=2), "d1", "r-a", blocks=3) == "malformed"
