@@ -31,6 +31,7 @@ from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire import params as wire_params
 from kvbridge.wire import side_channel as sc
+from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone, parse_prefill_done
 
 BOUNDS = {  # key: the module value it replaced
@@ -38,6 +39,7 @@ BOUNDS = {  # key: the module value it replaced
     "side_channel_queued_frames": sc.QUEUED_PER_PEER,
     "side_channel_max_connections": sc.MAX_CONNECTIONS,
     "side_channel_max_connections_per_address": sc.MAX_CONNECTIONS_PER_ADDRESS,
+    "auth_max_nonces": Sealer(b"k" * 32).max_nonces,
     "max_early_notes": leases.MAX_EARLY,
     "early_notes_per_request": leases.EARLY_NOTES_PER_REQUEST,
     "early_note_s": leases.LeaseBook(1.0).early_ttl_s,
@@ -91,11 +93,13 @@ def test_an_out_of_range_bound_refuses_to_start_naming_the_key(name, monkeypatch
 # --- each bound takes effect where it is enforced -----------------------------------------------------------------
 
 
-def make_prefill(**bounds) -> PrefillWorker:
+def make_prefill(key: bytes | None = None, **bounds) -> PrefillWorker:
     kv = torch.zeros(1 << 16, dtype=torch.uint8)
     memory = synthesize_memory("LBHNC", GEOMETRY, range(48), 2, 4, kv.data_ptr())
     config = BridgeConfig(side_channel_port=free_base_port(1), **bounds)
-    worker = PrefillWorker(WorkerIdentity("p", ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory, config)
+    worker = PrefillWorker(
+        WorkerIdentity("p", ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory, config, key=key
+    )
     worker._kv = kv  # the registered memory lives as long as the worker
     return worker.start()
 
@@ -194,10 +198,11 @@ def test_the_per_address_connection_bound_cuts_what_exceeds_it(per_address):
 
 
 @pytest.mark.nixl
-def test_the_server_takes_its_queue_and_connection_bounds_from_the_config():
-    worker = make_prefill(side_channel_queued_frames=3, side_channel_max_connections=7)
+def test_the_server_takes_its_queue_connection_and_nonce_bounds_from_the_config():
+    worker = make_prefill(b"k" * 32, side_channel_queued_frames=3, side_channel_max_connections=7, auth_max_nonces=2048)
     try:
         assert worker._server.queued_frames == 3 and worker._server.connections.limit == 7
+        assert worker._server.sealer.max_nonces == 2048
     finally:
         worker.close()
 

@@ -151,6 +151,10 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prefill side: connections one source address keeps open (a decode host of 8 GPUs x 8 control threads needs
     64); beyond it the oldest that never sent an authenticated frame is cut, so a flood locks out no key holder."""
 
+    auth_max_nonces: Annotated[int, msgspec.Meta(ge=1024, le=1 << 24)] = 1 << 18
+    """Prefill side, with a key: nonces of sealed requests remembered within auth_window_s (replays are refused);
+    when full, new sealed requests are refused rather than old nonces forgotten (only key holders get this far)."""
+
     max_early_notes: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 1024
     """Prefill side: requests whose notifications arrived before their hold that are remembered at once (an id
     nobody holds costs an entry: a forged flood is bounded by this)."""

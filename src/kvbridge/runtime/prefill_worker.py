@@ -111,7 +111,11 @@ class PrefillWorker:
             staging=self.stager.region if self.stager else None,
             staging_slot_bytes=self.stager.slot_bytes if self.stager else 0,
         )
-        sealer = Sealer(self.key, window_s=self.config.auth_window_s) if self.key else None
+        sealer = (
+            Sealer(self.key, window_s=self.config.auth_window_s, max_nonces=self.config.auth_max_nonces)
+            if self.key
+            else None
+        )
         self._server = SideChannelServer(
             self.port,
             handshake_handler(reply, self._answer),
