@@ -134,6 +134,70 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     moves only between equal TP sizes: another size is refused naming the layout. None: each handshake compares
     the state pages (`state_bytes`), so a peer of another TP size is refused then."""
 
+    # --- bounds on what peers and clients control (safe defaults; review 2026-12-01, issue 15) ---------------
+
+    side_channel_max_frame_bytes: Annotated[int, msgspec.Meta(ge=4096, le=1 << 26)] = 256 * 1024
+    """Prefill side: largest frame a side-channel server takes (ZMQ cuts the connection of a larger one). A decode
+    worker's handshake request is a few hundred bytes a layer; claims and notifications are far smaller."""
+
+    side_channel_queued_frames: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 16
+    """Prefill side: frames ZMQ queues per side-channel connection, each way (its default, 1000, times the frame
+    size is what one flooding connection could pin)."""
+
+    side_channel_max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    """Prefill side: connections one side-channel server keeps open (each may pin side_channel_queued_frames frames
+    of side_channel_max_frame_bytes). A decode worker keeps one per control thread (8): 512 serves 64 decode ranks."""
+
+    side_channel_max_connections_per_address: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 128
+    """Prefill side: connections one source address keeps open (a decode host of 8 GPUs x 8 control threads needs
+    64); beyond it the oldest that never sent an authenticated frame is cut, so a flood locks out no key holder."""
+
+    auth_max_nonces: Annotated[int, msgspec.Meta(ge=1024, le=1 << 24)] = 1 << 18
+    """Prefill side, with a key: nonces of sealed requests remembered within auth_window_s (replays are refused);
+    when full, new sealed requests are refused rather than old nonces forgotten (only key holders get this far)."""
+
+    max_early_notes: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 1024
+    """Prefill side: requests whose notifications arrived before their hold that are remembered at once (an id
+    nobody holds costs an entry: a forged flood is bounded by this)."""
+
+    early_notes_per_request: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    """Prefill side: notifications kept per such request (one per decode worker that reads it)."""
+
+    early_note_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 10.0
+    """Prefill side: how long a notification waits for its request's hold before it is forgotten."""
+
+    side_channel_max_answer_bytes: Annotated[int, msgspec.Meta(ge=4096, le=1 << 30)] = 16 * 1024 * 1024
+    """Decode side: largest side-channel answer taken (a handshake reply: memory map, NIXL metadata, CUDA IPC
+    handles); a larger one is cut, so a fake or broken peer cannot make a decode buffer gigabytes."""
+
+    side_channel_sockets_per_thread: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
+    """Decode side: side-channel sockets a control thread keeps open (one per prefill worker address; the least
+    recently used is closed beyond it): params naming many addresses cost at most this many descriptors a thread."""
+
+    max_cached_engines: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    """Decode side: prefill engines kept connected (least recently used out first, once idle); also bounds the
+    cached transfer plans and, times four, the engines remembered as dead."""
+
+    dead_engine_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
+    """Decode side: after a handshake to an engine failed, loads naming it fail at once for this long instead of
+    each waiting out the handshake timeouts (0: every load tries again)."""
+
+    claim_window_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 2.0
+    """Decode side: how long a claim refused as not held is retried (the prefill side learns of a hold one engine
+    step after the client got its kv_transfer_params); never past the load's deadline."""
+
+    claims_per_engine: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
+    """Decode side: claims of one prefill engine on control threads at once, so a slow engine cannot take them
+    all; the rest wait in that engine's own backlog."""
+
+    max_remote_blocks: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 1 << 20
+    """Decode side: most block ids kv_transfer_params may list (all groups together), refused before anything is
+    checked further."""
+
+    max_seen_params: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 65536
+    """Decode side: kv_transfer_params remembered as used, so that a replay is refused (oldest forgotten first,
+    each also once it expires)."""
+
     def check_role(self, producer: bool, consumer: bool) -> None:
         """Refuse settings that contradict each other for this role (ConfigError naming both keys)."""
         if self.nixl_staging_bytes and self.nixl_staging_bytes < 2 * self.nixl_staging_chunk_bytes:

@@ -35,7 +35,11 @@ MAX_READ_S = 600.0
 """The longest pin a claim gets (a reader's transfer timeout may not exceed it: config checks)."""
 
 MAX_EARLY = 1024
-"""Notifications kept for holds that have not arrived yet (bounded: an unheld id costs a dict entry)."""
+"""Requests whose notifications are kept before their holds arrive (bounded: an unheld id costs a dict entry).
+The default of `LeaseBook.max_early` and of config `max_early_notes`."""
+
+EARLY_NOTES_PER_REQUEST = 64
+"""Notifications kept per such request (config `early_notes_per_request`)."""
 
 
 def blocks_digest(blocks: Sequence[int]) -> str:
@@ -75,6 +79,8 @@ class LeaseBook:
     lease_s: float
     early_ttl_s: float = 10.0
     check_blocks: bool = True  # False only in tests that show what wrong blocks do (config `check_blocks`)
+    max_early: int = MAX_EARLY  # requests with early notifications kept at once (config `max_early_notes`)
+    early_notes_per_request: int = EARLY_NOTES_PER_REQUEST
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _early: OrderedDict[str, _Early] = field(default_factory=OrderedDict)
     _aborted: set[str] = field(default_factory=set)
@@ -155,11 +161,11 @@ class LeaseBook:
             return self._note(entry, token, engine, worker, expected)
         early = self._early.get(request_id)
         if early is None:
-            if len(self._early) >= MAX_EARLY:
+            if len(self._early) >= self.max_early:
                 self.refused_total += 1
                 return False
             early = self._early[request_id] = _Early(now)
-        if len(early.notes) >= 64:
+        if len(early.notes) >= self.early_notes_per_request:
             self.refused_total += 1
             return False
         early.notes.append((token, engine, worker, expected))

@@ -63,13 +63,6 @@ __all__ = ["DecodeWorker", "LoadJob", "TransferStats"]  # LoadJob: the connector
 
 logger = logging.getLogger(__name__)
 
-PER_ENGINE = 4
-"""Claim steps of one prefill engine on control threads at once (a slow engine must not take them all)."""
-
-CLAIM_WINDOW_S = 2.0
-"""How long a claim refused as `not_held` is retried: the prefill side learns of a hold one engine step after the
-client got its kv_transfer_params."""
-
 SLOW_LOAD_S = 2.0
 """A load that takes longer is logged with where its time went (handshake, claim, queue, read)."""
 
@@ -134,7 +127,11 @@ class DecodeWorker:
             else self._pool
         )
         self._clients = ThreadClients(  # each control thread's side-channel sockets
-            timeout_s=config.handshake_timeout_s, retries=config.handshake_retries, sealer=self.sealer
+            timeout_s=config.handshake_timeout_s,
+            retries=config.handshake_retries,
+            sealer=self.sealer,
+            max_sockets=config.side_channel_sockets_per_thread,
+            max_answer_bytes=config.side_channel_max_answer_bytes,
         )
         self.peers = PeerBook(
             identity, memory, config, self._handshakes, self._add_agent, self.sealer, self._ipc_connect
@@ -246,12 +243,13 @@ class DecodeWorker:
     # -- control threads: claim ---------------------------------------------------------------------
 
     def _admit(self, load: Load, connected: Future[Engine]) -> None:
-        """Run the load's claim on a control thread, at most PER_ENGINE at once per engine: a slow engine's claims
-        wait in its own backlog, never in front of other engines' (they hold control threads while they wait)."""
+        """Run the load's claim on a control thread, at most `claims_per_engine` (config) at once per engine: a slow
+        engine's claims wait in its own backlog, never in front of other engines' (they hold control threads while
+        they wait)."""
         key = engine_key(load.job.source)
         with self._lock:
             running = self._claiming.get(key, 0)
-            if running >= PER_ENGINE:
+            if running >= self.config.claims_per_engine:
                 self._backlog.setdefault(key, collections.deque()).append((load, connected))
                 return
             self._claiming[key] = running + 1
@@ -325,7 +323,7 @@ class DecodeWorker:
             read_timeout_s=max(0.0, load.deadline - time.monotonic()),
             blocks_digest=blocks_digest(published_blocks(source.remote_block_ids, source.remote_group_block_ids)),
         )
-        window = min(load.deadline, time.monotonic() + CLAIM_WINDOW_S)
+        window = min(load.deadline, time.monotonic() + self.config.claim_window_s)
         pending = list(load.read_ranks)
         backoff = Backoff(first_s=5e-3, cap_s=50e-3)
         while pending:
@@ -482,7 +480,11 @@ class DecodeWorker:
 
     def _notify_loop(self) -> None:
         client = SideChannelClient(
-            timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries, sealer=self.sealer
+            timeout_s=self.config.handshake_timeout_s,
+            retries=self.config.handshake_retries,
+            sealer=self.sealer,
+            max_sockets=self.config.side_channel_sockets_per_thread,
+            max_answer_bytes=self.config.side_channel_max_answer_bytes,
         )
         try:
             while (item := self._notes.get()) is not None:

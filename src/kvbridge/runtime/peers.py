@@ -4,10 +4,11 @@ An engine is known by everything the (signed) kv_transfer_params say of where it
 and base port, DP rank. Handshakes run on the decode worker's control threads; jobs for an engine that is being
 connected wait on one shared future rather than each on a thread. A reply must come from the engine the params
 name (engine id, the worker the address belongs to, the NIXL agent its metadata loads as); the cache holds at most
-`max_engines` engines (least recently used first out), an engine whose handshake failed is refused at once for
-`dead_s` (the next requests to a dead prefill fail fast instead of each waiting out the timeouts), and an engine
-whose worker restarted (a claim's Ack carries another epoch) is dropped and handshaken again. An engine leaves
-for good only when no transfer or kernel of it is in flight: `reap()` hands the transfer thread what to remove.
+`max_cached_engines` engines (config; least recently used first out), an engine whose handshake failed is refused
+at once for `dead_engine_s` (the next requests to a dead prefill fail fast instead of each waiting out the
+timeouts), and an engine whose worker restarted (a claim's Ack carries another epoch) is dropped and handshaken
+again. An engine leaves for good only when no transfer or kernel of it is in flight: `reap()` hands the transfer
+thread what to remove.
 """
 
 from __future__ import annotations
@@ -93,9 +94,6 @@ class PeerBook:
         add_agent: Callable[[bytes, str], str],
         sealer: Sealer | None = None,
         ipc_connect: Callable[[Engine], dict[WorkerRank, Any] | None] | None = None,
-        *,
-        max_engines: int = 64,
-        dead_s: float = 10.0,
     ) -> None:
         """`add_agent(metadata, name)` loads NIXL metadata, replacing an agent of that name (the caller serialises
         it with its other NIXL calls); `ipc_connect`
@@ -107,8 +105,8 @@ class PeerBook:
         self.add_agent = add_agent
         self.sealer = sealer
         self.ipc_connect = ipc_connect
-        self.max_engines = max_engines
-        self.dead_s = dead_s
+        self.max_engines = config.max_cached_engines
+        self.dead_s = config.dead_engine_s
         self._lock = threading.Lock()
         self._engines: OrderedDict[EngineKey, Engine] = OrderedDict()
         self._connecting: dict[EngineKey, Future[Engine]] = {}
@@ -179,6 +177,7 @@ class PeerBook:
                 retries=self.config.handshake_retries,
                 sealer=self.sealer,
                 identity=identity(source, rank),
+                max_answer_bytes=self.config.side_channel_max_answer_bytes,
             )
             if reply.engine_id != source.remote_engine_id:
                 raise IncompatiblePeerError("engine_id", source.remote_engine_id, reply.engine_id)

@@ -66,7 +66,13 @@ class PrefillWorker:
         self.transport = NixlTransport(identity.agent_name, transport_config(config, mem_type))
         self.key = key
         self.epoch = secrets.token_hex(8)
-        self._leases = LeaseBook(config.lease_s, check_blocks=config.check_blocks)  # under _lock
+        self._leases = LeaseBook(  # under _lock
+            config.lease_s,
+            early_ttl_s=config.early_note_s,
+            check_blocks=config.check_blocks,
+            max_early=config.max_early_notes,
+            early_notes_per_request=config.early_notes_per_request,
+        )
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when a lease may have ended (under _lock)
         self._finished: set[str] = set()
@@ -110,11 +116,19 @@ class PrefillWorker:
             staging=self.stager.region if self.stager else None,
             staging_slot_bytes=self.stager.slot_bytes if self.stager else 0,
         )
-        sealer = Sealer(self.key, window_s=self.config.auth_window_s) if self.key else None
+        sealer = (
+            Sealer(self.key, window_s=self.config.auth_window_s, max_nonces=self.config.auth_max_nonces)
+            if self.key
+            else None
+        )
         self._server = SideChannelServer(
             self.port,
             handshake_handler(reply, self._answer),
             host=self.config.side_channel_host,
+            max_message_bytes=self.config.side_channel_max_frame_bytes,
+            max_connections=self.config.side_channel_max_connections,
+            max_connections_per_address=self.config.side_channel_max_connections_per_address,
+            queued_frames=self.config.side_channel_queued_frames,
             sealer=sealer,
             identity=(ident.engine_id, ident.dp_rank, ident.rank.pp, ident.rank.tp),
         )

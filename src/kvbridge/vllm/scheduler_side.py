@@ -68,10 +68,6 @@ def _warn_keyless_consumer() -> None:
         )
 
 
-MAX_SEEN = 65536
-"""Params remembered as used (a replay is refused); the oldest are forgotten first, and each after it expires."""
-
-
 class SchedulerSide:
     def __init__(self, vllm_config: VllmConfig, config: BridgeConfig, kv_cache_config: KVCacheConfig | None = None):
         kv = vllm_config.kv_transfer_config
@@ -143,7 +139,7 @@ class SchedulerSide:
             return cached
         source = None
         try:
-            source = parse_prefill_done(params)
+            source = parse_prefill_done(params, self.config.max_remote_blocks)
             self._check(request, source)
         except RequestParamsError as exc:
             if source is not None:  # refused params must not be released either: they may be someone else's
@@ -161,14 +157,14 @@ class SchedulerSide:
             return None
         key = (source.remote_engine_id, source.remote_request_id)
         self._seen[key] = (request.request_id, source.remote_expires or time.time() + 2 * self.config.lease_s)
-        while len(self._seen) > MAX_SEEN:
+        while len(self._seen) > self.config.max_seen_params:
             self._seen.popitem(last=False)
         self._sources[request.request_id] = source
         return source
 
     def _remember(self, key: tuple[str, str], source: PrefillDone, book: OrderedDict) -> None:
         book[key] = ("", source.remote_expires or time.time() + 2 * self.config.lease_s)
-        while len(book) > MAX_SEEN:
+        while len(book) > self.config.max_seen_params:
             book.popitem(last=False)
 
     def _check(self, request: Request, source: PrefillDone) -> None:
@@ -219,7 +215,7 @@ class SchedulerSide:
         """Where to send a release (an Abort with the params' token): only params the prefill signed (with a key),
         since a release goes to the address they name. No prompt check: nothing is read."""
         try:
-            source = parse_prefill_done(params)
+            source = parse_prefill_done(params, self.config.max_remote_blocks)
         except RequestParamsError:
             return None
         if self.key is not None and not source.verify(self.key):

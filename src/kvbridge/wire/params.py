@@ -58,6 +58,7 @@ _EXTRAS_TAG = b"kvbridge-kv-extras-v1\0"
 MAX_WORKERS = 65536
 """No parsed params name a larger prefill layout (the config's max_remote_workers is usually far smaller)."""
 MAX_BLOCKS = 1 << 20
+"""The default of config `max_remote_blocks`: most block ids (all groups together) parsed params may list."""
 MAX_GROUPS = 64
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -218,8 +219,9 @@ def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
     return bool(params) and bool(params.get("do_remote_prefill"))
 
 
-def parse_prefill_done(params: dict[str, Any]) -> PrefillDone:
-    """Validate a decode request's kv_transfer_params; RequestParamsError names the bad field."""
+def parse_prefill_done(params: dict[str, Any], max_blocks: int = MAX_BLOCKS) -> PrefillDone:
+    """Validate a decode request's kv_transfer_params (at most `max_blocks` block ids); RequestParamsError names
+    the bad field."""
     raw = dict(params)
     blocks = raw.get("remote_block_ids")
     # NixlConnector sends one list per KV cache group; a model with one group sends [[...]].
@@ -248,7 +250,7 @@ def parse_prefill_done(params: dict[str, Any]) -> PrefillDone:
             "kv_transfer_params: remote_group_block_ids has too many groups, or both lists are set"
         )
     blocks = sum(map(len, done.group_block_ids))
-    if blocks > MAX_BLOCKS or len(done.remote_token) > 64 or len(done.remote_host) > 256:
+    if blocks > max_blocks or len(done.remote_token) > 64 or len(done.remote_host) > 256:
         raise RequestParamsError("kv_transfer_params: remote_block_ids, remote_token or remote_host too long")
     if done.remote_dp_rank >= layout.dp and layout.dp > 1:
         raise RequestParamsError(

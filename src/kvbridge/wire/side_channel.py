@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 MAX_PORT = 65535
 DEFAULT_HOST = "127.0.0.1"
+# The defaults of the bounds below are BridgeConfig's (side_channel_max_frame_bytes and its neighbours), which
+# the workers pass in; tests/test_config_bounds.py checks that both agree.
 MAX_REQUEST_BYTES = 256 * 1024
 """Largest frame a side-channel server takes: a handshake request describes one decode worker's memory (a few
 hundred bytes a layer); claims and notifications are far smaller."""
@@ -199,11 +201,13 @@ class SideChannelServer:
         max_message_bytes: int = MAX_REQUEST_BYTES,
         max_connections: int = MAX_CONNECTIONS,
         max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+        queued_frames: int = QUEUED_PER_PEER,
         sealer: Sealer | None = None,
         identity: Identity = NO_IDENTITY,
     ) -> None:
         """`sealer`: authenticate and encrypt every frame with the deployment key (None: frames are bare msgpack);
-        `identity`: the worker this server is, which every sealed request must be addressed to (with its port)."""
+        `identity`: the worker this server is, which every sealed request must be addressed to (with its port).
+        The bounds: `max_message_bytes` per frame, `queued_frames` queued per connection each way, connections."""
         if max_connections < 1 or max_connections_per_address < 1:
             raise ValueError(
                 f"connection bounds must be at least 1, got {max_connections}, {max_connections_per_address}"
@@ -213,6 +217,7 @@ class SideChannelServer:
         self.handler = handler
         self.poll_interval_s = poll_interval_s
         self.max_message_bytes = max_message_bytes
+        self.queued_frames = queued_frames
         self.connections = ConnectionBound(max_connections, max_connections_per_address)
         self.sealer = sealer
         self.identity = identity
@@ -241,8 +246,8 @@ class SideChannelServer:
         sock = zmq_context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        sock.setsockopt(zmq.RCVHWM, QUEUED_PER_PEER)
-        sock.setsockopt(zmq.SNDHWM, QUEUED_PER_PEER)
+        sock.setsockopt(zmq.RCVHWM, self.queued_frames)
+        sock.setsockopt(zmq.SNDHWM, self.queued_frames)
         if ":" in self.host:
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -485,6 +490,7 @@ def exchange(
     retries: int = 2,
     sealer: Sealer | None = None,
     identity: Identity = NO_IDENTITY,
+    max_answer_bytes: int = MAX_ANSWER_BYTES,
 ) -> wire.Message:
     """Send `message` to the side channel at (host, port) and return its answer.
 
@@ -493,7 +499,7 @@ def exchange(
     answered, ProtocolError for an answer that is not a message (IncompatiblePeerError if it carries another
     protocol version). Messages may be delivered more than once: handlers must be idempotent. With `sealer`
     each attempt is sealed afresh for the worker `identity` names, and an answer that is not the authentic answer
-    to it is not taken.
+    to it is not taken. An answer over `max_answer_bytes` is cut by ZMQ (so it times out).
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -505,7 +511,7 @@ def exchange(
     started = time.monotonic()
     for attempt in range(1 + retries):
         try:
-            sock = _dealer(address, timeout_ms)
+            sock = _dealer(address, timeout_ms, max_answer_bytes)
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
         try:
@@ -536,13 +542,20 @@ class SideChannelClient:
     """
 
     def __init__(
-        self, *, timeout_s: float = 2.0, retries: int = 2, max_sockets: int = 256, sealer: Sealer | None = None
+        self,
+        *,
+        timeout_s: float = 2.0,
+        retries: int = 2,
+        max_sockets: int = 256,
+        sealer: Sealer | None = None,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.timeout_s = timeout_s
         self.retries = retries
         self.sealer = sealer
+        self.max_answer_bytes = max_answer_bytes
         # A long-lived decode server meets prefill instances that come and go: beyond this many addresses the
         # least recently used socket is closed (a file descriptor each), and reopened if that peer comes back.
         self.max_sockets = max_sockets
@@ -621,7 +634,7 @@ class SideChannelClient:
         if sock is not None:
             self._sockets.move_to_end(address)
         else:
-            sock = self._sockets[address] = _dealer(address, timeout_ms)
+            sock = self._sockets[address] = _dealer(address, timeout_ms, self.max_answer_bytes)
         # Over the bound: close the least recently used, never this one or one this call still waits on (`busy`),
         # so a call to more peers than the bound exceeds it until the next call.
         excess = len(self._sockets) - self.max_sockets
@@ -645,12 +658,22 @@ def fetch_handshake(
     retries: int = 2,
     sealer: Sealer | None = None,
     identity: Identity = NO_IDENTITY,
+    max_answer_bytes: int = MAX_ANSWER_BYTES,
 ) -> wire.HandshakeReply:
     """The decode side of a handshake: the prefill worker's reply, checked against `request`.
 
     Raises IncompatiblePeerError (refused here or there), TransferTimeout (see `exchange`) or ProtocolError.
     """
-    answer = exchange(host, port, request, timeout_s=timeout_s, retries=retries, sealer=sealer, identity=identity)
+    answer = exchange(
+        host,
+        port,
+        request,
+        timeout_s=timeout_s,
+        retries=retries,
+        sealer=sealer,
+        identity=identity,
+        max_answer_bytes=max_answer_bytes,
+    )
     address = endpoint(host, port)
     try:
         match answer:
@@ -670,14 +693,14 @@ def fetch_handshake(
         raise
 
 
-def _dealer(address: str, timeout_ms: int) -> zmq.Socket:
-    """A DEALER socket connected to `address` (an `endpoint`): no linger, sends time out after `timeout_ms`.
-    Closed again if the connect fails (zmq.ZMQError)."""
+def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BYTES) -> zmq.Socket:
+    """A DEALER socket connected to `address` (an `endpoint`): no linger, sends time out after `timeout_ms`,
+    answers over `max_answer_bytes` cut. Closed again if the connect fails (zmq.ZMQError)."""
     sock = zmq_context().socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_answer_bytes)
         if address.startswith("tcp://["):  # an IPv6 literal
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
