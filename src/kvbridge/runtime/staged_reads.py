@@ -109,7 +109,11 @@ class StagedReads:
         self._free: list[int] = []
         self._pool: ThreadPoolExecutor | None = None
         self._clients = ThreadClients(
-            timeout_s=config.handshake_timeout_s, retries=config.handshake_retries, sealer=sealer
+            timeout_s=config.handshake_timeout_s,
+            retries=config.handshake_retries,
+            sealer=sealer,
+            max_sockets=config.side_channel_sockets_per_thread,
+            max_answer_bytes=config.side_channel_max_answer_bytes,
         )
         self._running: set[StagedPart] = set()
         self._announced: set[str] = set()  # prefill agents whose first staged read was logged
