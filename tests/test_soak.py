@@ -259,6 +259,14 @@ def test_fault_soak(tmp_path):
 
 
 def run_soak(model, prefill, decode, prefill_server, decode_server, url: str, dh: Host) -> dict:
+    phases: dict[str, float] = {}
+    t_phase = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal t_phase
+        phases[name] = round(time.monotonic() - t_phase, 1)
+        t_phase = time.monotonic()
+
     baseline = prefill.kv_usage(), decode.kv_usage()
     rng = random.Random(2026)
     soak = Soak(prefill, decode, url, rng, str(model))
@@ -278,9 +286,11 @@ def run_soak(model, prefill, decode, prefill_server, decode_server, url: str, dh
     }
     print("kv usage after the fault pool:", json.dumps(after_pool))
     assert back, f"blocks stayed allocated after the fault pool: {after_pool}"
+    phase("the pool")
 
     lease = read_outlives_lease(soak, dh, baseline[0])
     print("a read outlived its lease:", json.dumps(lease))
+    phase("a read outliving its lease")
 
     # The decode server killed mid-READ: the prefill frees the blocks (the proxy's abort, else the claim's pin
     # ends: transfer timeout + margin), and a new decode server takes its address.
@@ -297,6 +307,7 @@ def run_soak(model, prefill, decode, prefill_server, decode_server, url: str, dh
         with ThreadPoolExecutor(4) as pool:
             for result in [pool.submit(soak.plain) for _ in range(40)]:
                 result.result()
+        phase("decode killed mid-READ, replaced, 40 requests")
         # The prefill server killed mid-READ: the decode answers by recompute (checked against the reference taken
         # before the kill) and frees its blocks; a new prefill server takes its address.
         killed_prefill = kill_mid_read(soak, dh, prefill, "prefill server killed mid-READ")
@@ -315,6 +326,7 @@ def run_soak(model, prefill, decode, prefill_server, decode_server, url: str, dh
             lambda: decode.kv_usage() == baseline[1], 15
         )
         moved = metric_sum(metrics(decode.url), SOURCE, source="external_kv_transfer")
+        phase("prefill killed mid-READ, replaced, 20 requests")
     finally:
         decode.stop()
         if restarted is not None:
@@ -331,6 +343,7 @@ def run_soak(model, prefill, decode, prefill_server, decode_server, url: str, dh
         "prefill killed mid-READ": killed_prefill,
         "blocks left allocated": "none" if freed else "LEAKED",
         "prompt tokens moved by kvbridge (new decode server)": moved,
+        "seconds by phase (after the servers started)": phases,
     }
 
 
