@@ -4,13 +4,18 @@
       └─ veth ─ namespace <tag>-<name>: device <tag>n<i> at 10.77.0.<10+i>/24, its own loopback
 
 Only these addresses are used; everything is removed on exit, also on failure. Needs root and iproute2.
+
+A READ in flight, shown rather than hoped: `slowed` limits the path to a host (tc tbf on its link's root side, so a
+300-token READ of the tiny model takes seconds), and `when_sent` acts once a byte counter of a link has grown by a
+given amount (`Host.tx_bytes`: sent by the host; `Host.rx_bytes`: delivered to it).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -26,8 +31,14 @@ class Host:
     link: str  # its peer in the root namespace (take it down to cut the host off)
 
     def tx_bytes(self) -> int:
-        """Bytes the host sent over its link (read on the root side, where they arrive)."""
+        """Bytes the host sent over its link (read on the root side, where they arrive). Under `slowed` this counts
+        what the receiver's qdisc dropped and TCP sent again too: more than was delivered."""
         with open(f"/sys/class/net/{self.link}/statistics/rx_bytes") as f:
+            return int(f.read())
+
+    def rx_bytes(self) -> int:
+        """Bytes delivered to the host over its link (after `slowed`'s qdisc: none counted twice)."""
+        with open(f"/sys/class/net/{self.link}/statistics/tx_bytes") as f:
             return int(f.read())
 
 
@@ -68,3 +79,38 @@ def network_hosts(*names: str) -> Iterator[dict[str, Host]]:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         for link in made_links:
             subprocess.run(["ip", "link", "del", link], capture_output=True)
+
+
+@contextmanager
+def slowed(host: Host, rate: str = "4mbit") -> Iterator[None]:
+    """Traffic to `host` limited to `rate` (tc tbf on the root side of its link), removed on exit."""
+    shape = ["tc", "qdisc", "add", "dev", host.link, "root", "tbf", "rate", rate, "burst", "16kb", "latency", "50ms"]
+    subprocess.run(shape, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", host.link, "root"], capture_output=True)
+
+
+def when_sent(count: Callable[[], int], nbytes: int, act: Callable[[], object], timeout: float = 20.0) -> int:
+    """`act()` once the byte counter `count` (e.g. `host.tx_bytes`) has grown by `nbytes` (or after `timeout`);
+    returns its growth when it acted, for the caller to check that the act came mid-transfer."""
+    since = count()
+    deadline = time.monotonic() + timeout
+    while count() - since < nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = count() - since
+    act()
+    return sent
+
+
+def server_on(host: Host) -> dict:
+    """VllmServer arguments that put a server on `host`, NIXL's UCX limited to TCP on the host's own device (no
+    shared memory or CMA across hosts: the KV must cross the link)."""
+    env = {"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": host.device, "VLLM_HOST_IP": host.ip}
+    return {"host": host.ip, "netns": host.netns, "env": env}
+
+
+def connector_on(host: Host) -> dict:
+    """kvbridge connector settings for a server on `host`: its side channel and UCX on the host's address."""
+    return {"side_channel_host": host.ip, "side_channel_port": 5600, "ucx_net_devices": host.device}

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from hosts import network_hosts
+from hosts import connector_on, network_hosts, server_on, slowed, when_sent
 from kvbridge.serving.launcher import VllmServer, complete, kvbridge_config, metric_sum, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_model
 
@@ -38,13 +38,7 @@ def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
     key = log.parent / "deployment.key"
     if not key.exists():
         key.write_bytes(b"cross-host-test-key-0123456789abcdef")
-    extra = {
-        "side_channel_host": host.ip,
-        "side_channel_port": 5600,
-        "lease_s": LEASE_S,
-        "auth_key_file": str(key),
-        "ucx_net_devices": host.device,
-    }
+    extra = {**connector_on(host), "lease_s": LEASE_S, "auth_key_file": str(key)}
     if role == "kv_consumer":
         extra.update(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0)
     return VllmServer(
@@ -52,9 +46,7 @@ def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
         port=8000,
         pp=pp,
         cpu_bind=cores,
-        host=host.ip,
-        netns=host.netns,
-        env={"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": host.device, "VLLM_HOST_IP": host.ip},
+        **server_on(host),
         kv_transfer_config=kvbridge_config(role, "recompute", **extra),
         name=f"{role}-{host.name}",
         log_path=log,
@@ -239,21 +231,16 @@ def mid_read(decode, ph, dh, prompt, params, act, undo) -> tuple[dict, int]:
             answer["error"] = exc
         answer["seconds"] = time.monotonic() - t0
 
-    shape = ["tc", "qdisc", "add", "dev", dh.link, "root", "tbf", "rate", "4mbit", "burst", "16kb", "latency", "50ms"]
-    subprocess.run(shape, check=True)
     leg = threading.Thread(target=decode_leg)
     try:
-        sent = ph.tx_bytes()
-        leg.start()
-        deadline = time.monotonic() + 20
-        while ph.tx_bytes() - sent < 200_000 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        in_flight = ph.tx_bytes() - sent
-        act()
-        leg.join(90)
+        with slowed(dh):
+            try:
+                leg.start()
+                in_flight = when_sent(ph.tx_bytes, 200_000, act)
+                leg.join(90)
+            finally:
+                undo()
     finally:
-        undo()
-        subprocess.run(["tc", "qdisc", "del", "dev", dh.link, "root"], capture_output=True)
         leg.join(90)
     return answer, in_flight
 
