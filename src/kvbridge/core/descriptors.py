@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.core.arrays import ParallelArrays
 from kvbridge.core.errors import RequestParamsError
 from kvbridge.core.groups import untag
 from kvbridge.core.memory import WorkerMemory
@@ -23,7 +24,7 @@ from kvbridge.core.topology import WorkerRank
 
 
 @dataclass(frozen=True, eq=False)
-class Descriptors:
+class Descriptors(ParallelArrays):
     """Parallel arrays: copy `length[i]` bytes from `src_addr[i]` (in source region `src_region[i]`) to
     `dst_addr[i]` (in destination region `dst_region[i]`)."""
 
@@ -40,17 +41,6 @@ class Descriptors:
     def nbytes(self) -> int:
         return int(self.length.sum())
 
-    @classmethod
-    def empty(cls) -> Descriptors:
-        z = np.zeros(0, dtype=np.int64)
-        return cls(z, z, z, z, z)
-
-    @classmethod
-    def concat(cls, parts: Sequence[Descriptors]) -> Descriptors:
-        if not parts:
-            return cls.empty()
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
-
     def coalesced(self) -> Descriptors:
         """Merge runs that continue each other on both sides (same regions), after sorting by source."""
         if len(self) <= 1:
@@ -61,9 +51,6 @@ class Descriptors:
         joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1]) & (sr[1:] == sr[:-1]) & (dr[1:] == dr[:-1])
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
         return Descriptors(s[starts], d[starts], np.add.reduceat(n, starts), sr[starts], dr[starts])
-
-
-_FIELDS = ("src_addr", "dst_addr", "length", "src_region", "dst_region")
 
 
 def expand(segments: Segments, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Descriptors:
