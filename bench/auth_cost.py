@@ -57,7 +57,7 @@ def main() -> int:
     times: dict[str, list[float]] = {f"{m}/{k}": [] for m in ("handshake", "claim") for k in workers}
     try:
         for w in workers.values():
-            w.hold("r", tuple(range(64)), token="tok", prompt_hash="h")
+            w.hold("r", (tuple(range(64)),), token="tok", prompt_hash="h")
         for _ in range(args.rounds):
             for name, w in workers.items():  # interleaved: the same machine state for both
                 sealer = Sealer(KEY) if name == "on" else None

@@ -311,7 +311,7 @@ def measure(args, transport, peer_name, plan, sources, dst_mem, peers, staged, t
             remote_port=args.port,
             remote_layout="tp=4",  # the prefill process listens on the ports of a tp=4 layout
         )
-        job = LoadJob(f"d-{request[0]}", source, tuple(db.tolist()), tuple(sb.tolist()))
+        job = LoadJob(f"d-{request[0]}", source, (tuple(db.tolist()),), (tuple(sb.tolist()),))
         load = Load(job, time.monotonic(), time.monotonic() + args.read_timeout_s)
 
         def note(rank):  # `expected` tells the prefill process which worker's stager served it (one agent there)

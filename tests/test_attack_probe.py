@@ -165,7 +165,7 @@ def test_a_claim_without_the_token_does_not_tell_held_ids_from_unknown_ones(keye
     held ones, so two claims revealed which ids were held and which blocks they had. Now, without the request's
     token, a held id, an unknown id and a held id with other blocks get the same answer; the control: the token
     holder's claim is acknowledged."""
-    keyed_worker.hold("held", (1, 2, 3), token="t" * 32, prompt_hash="h")
+    keyed_worker.hold("held", ((1, 2, 3),), token="t" * 32, prompt_hash="h")
     sealer = Sealer(KEY)
 
     def claim(request_id: str, blocks: tuple[int, ...], token: str) -> wire.Message:

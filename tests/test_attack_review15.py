@@ -129,7 +129,7 @@ def observe(worker: PrefillWorker, key: bytes | None) -> tuple[bytes, wire.Hands
 
     try:
         reply = ask(handshake())
-        worker.hold("victim-7", (2, 3), token=TOKEN, prompt_hash="h")
+        worker.hold("victim-7", ((2, 3),), token=TOKEN, prompt_hash="h")
         answer = ask(claim())
         time.sleep(0.1)  # the relay's last bytes
         return relay.seen(), reply, answer

@@ -59,7 +59,7 @@ def test_equal_block_sizes_queue_the_block_pairs_as_before():
     params = published(16, prompt)
     load = job(params, 16, prompt, list(range(200, 219)), 32)
     assert load.span is None and load.remote_block_size == 0
-    assert load.local_blocks == tuple(range(202, 219)) and load.remote_blocks == tuple(range(102, 119))
+    assert load.local_blocks == (tuple(range(202, 219)),) and load.remote_blocks == (tuple(range(102, 119)),)
 
 
 @pytest.mark.parametrize(
@@ -76,8 +76,8 @@ def test_different_block_sizes_queue_the_uncached_token_span(src_bs, dst_bs, cac
     mine = list(range(200, 200 + -(-300 // dst_bs)))
     load = job(params, dst_bs, prompt, mine, cached)
     assert load.span == span and load.remote_block_size == src_bs
-    assert load.local_blocks == tuple(mine[local.start : local.stop])
-    assert load.remote_blocks == tuple(params["remote_block_ids"][remote.start : remote.stop])
+    assert load.local_blocks == (tuple(mine[local.start : local.stop]),)
+    assert load.remote_blocks == (tuple(params["remote_block_ids"][remote.start : remote.stop]),)
 
 
 def test_a_block_count_that_does_not_fit_the_prefills_block_size_is_refused():

@@ -12,19 +12,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.core.descriptors import worker_descriptors
+from kvbridge.core.descriptors import group_descriptors, worker_descriptors
 from kvbridge.core.errors import IncompatiblePeerError, LayoutError, RequestParamsError
 from kvbridge.core.groups import (
-    GROUP_SHIFT,
+    MAX_GROUPS,
     NULL_BLOCK,
     CacheGroup,
     check_remote_lists,
     load_pairs,
+    pair_lists,
     prefill_lists,
-    tag,
-    tagged_lists,
-    untag,
 )
+from kvbridge.core.leases import LeaseBook, blocks_digest, groups_digest
 from kvbridge.core.memory import Region, WorkerMemory, layer_from_strides
 from kvbridge.core.plan import make_plan
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
@@ -98,19 +97,52 @@ def test_a_block_the_decode_needs_but_the_prefill_freed_is_refused():
         prefill_lists((group,), [[0, 5, 0, 6, 7, 8, 9, 10, 11, 12]], 300)
 
 
-@given(st.lists(st.tuples(st.lists(st.integers(0, (1 << GROUP_SHIFT) - 1), max_size=8)), max_size=5))
-def test_tagged_ids_round_trip_and_group_0_is_untouched(groups):
-    pairs = [(ids[0], ids[0][::-1]) for ids in groups]
-    src, dst = tagged_lists(pairs)
-    g, ids = untag(np.asarray(src, dtype=np.int64))
-    assert ids.tolist() == [b for s, _ in pairs for b in s]
-    assert g.tolist() == [i for i, (s, _) in enumerate(pairs) for _ in s]
-    assert len(dst) == len(src)
-    assert tag(0, [5, 7]) == [5, 7]
-    with pytest.raises(RequestParamsError):
-        tag(1, [1 << GROUP_SHIFT])
+PER_GROUP = st.lists(st.lists(st.integers(1, (1 << 31) - 1), max_size=6), min_size=1, max_size=5)
+
+
+@given(PER_GROUP)
+def test_pair_lists_keep_each_groups_lists_apart(groups):
+    remote, local = pair_lists([(ids, ids[::-1]) for ids in groups])
+    assert remote == tuple(map(tuple, groups)) and local == tuple(tuple(ids[::-1]) for ids in groups)
+
+
+def test_pair_lists_refuse_unequal_lists_and_too_many_groups():
+    with pytest.raises(RequestParamsError, match="group 1: 2 remote blocks for 1 local"):
+        pair_lists([([1], [2]), ([3, 4], [5])])
     with pytest.raises(LayoutError):
-        tag(64, [1])
+        pair_lists([([1], [1])] * (MAX_GROUPS + 1))
+    with pytest.raises(LayoutError):
+        pair_lists([])
+
+
+@given(PER_GROUP)
+def test_the_digest_names_each_groups_list_and_one_groups_is_the_plain_digest(groups):
+    assert groups_digest(groups[:1]) == blocks_digest(groups[0])  # what one-group peers always sent
+    edits = [groups[::-1], [g[::-1] for g in groups], [*groups, []], [[], *groups]]
+    if len(groups) > 1 and groups[0]:  # a block moved into the next group: the flat order is the same
+        edits.append([groups[0][:-1], [groups[0][-1], *groups[1]], *groups[2:]])
+    for edited in edits:
+        if edited != groups and (len(edited) > 1 or len(groups) > 1):
+            assert groups_digest(edited) != groups_digest(groups), edited
+
+
+def test_negative_control_a_digest_of_the_flat_list_misses_a_block_moved_between_groups():
+    """The oracle can fail: the concatenated ids (what a digest that forgot the groups would name) are the same
+    for a block moved from group 0 to group 1; the per-group digest is not."""
+    a, b = [[1, 2], [3]], [[1], [2, 3]]
+    assert blocks_digest([x for g in a for x in g]) == blocks_digest([x for g in b for x in g])
+    assert groups_digest(a) != groups_digest(b)
+
+
+def test_a_claim_names_each_groups_blocks_in_that_group():
+    book = LeaseBook(lease_s=10)
+    held = ((21, 22, 23), (31, 32))
+    book.hold("r", 0.0, token="tok", prompt_hash="h", blocks=held)
+    order = groups_digest(held)
+    assert book.claim("r", "tok", "h", ((31,), (21,)), "d", 5, now=1.0, order=order) == "mismatch"  # swapped
+    assert book.claim("r", "tok", "h", ((21,), (31,), ()), "d", 5, now=1.0, order=order) == "mismatch"
+    assert book.claim("r", "tok", "h", held[::-1], "d", 5, now=1.0, order=groups_digest(held[::-1])) == "mismatch"
+    assert book.claim("r", "tok", "h", ((22, 23), (31, 32)), "d", 5, now=1.0, order=order) is None
 
 
 # -- bytes: aliasing groups, different PP splits on the two sides ------------------------------------------------
@@ -120,14 +152,17 @@ ROW = 2 * HEAD * ITEM  # K and V of one (head, token)
 PAGE = HEADS * BLOCK * ROW
 
 
-def hybrid_memory(layers: list[int], group_of: dict[int, int], num_blocks: int, base: int) -> WorkerMemory:
-    """One worker's KV as vLLM lays out a hybrid model: the i-th layer of every group in the i-th tensor."""
+def hybrid_memory(
+    layers: list[int], group_of: dict[int, int], num_blocks: int, base: int, alias: bool = True
+) -> WorkerMemory:
+    """One worker's KV as vLLM lays out a hybrid model: the i-th layer of every group in the i-th tensor (`alias`
+    False: every layer in a tensor of its own, so that which blocks a layer got is seen layer by layer)."""
     by_group: dict[int, list[int]] = {}
     for n in layers:
-        by_group.setdefault(group_of[n], []).append(n)
+        by_group.setdefault(group_of[n] if alias else 0, []).append(n)
     slots = max(len(v) for v in by_group.values())
     out = []
-    for g, members in by_group.items():
+    for members in by_group.values():
         for i, n in enumerate(members):
             out.append(
                 dataclass_replace_group(
@@ -140,7 +175,7 @@ def hybrid_memory(layers: list[int], group_of: dict[int, int], num_blocks: int, 
                         (HEADS * BLOCK * 2 * HEAD, BLOCK * 2 * HEAD, 2 * HEAD, 1),
                         ITEM,
                     ),
-                    g,
+                    group_of[n],
                 )
             )
     groups = len(set(group_of.values()))
@@ -186,8 +221,8 @@ def test_each_layer_is_copied_with_its_own_groups_blocks_across_pp_splits():
     dst_buf = np.zeros(dst.regions[0].nbytes, dtype=np.uint8)
     # a block id belongs to one group at a time, on each side
     pairs = [([1, 2], [9, 10]), ([3, 4, 5], [6, 7, 8])]  # group 0 (sliding, in-window), group 1 (full)
-    src_ids, dst_ids = tagged_lists(pairs)
-    descs = worker_descriptors(plan, WorkerRank(0, 0), dst, sources, src_ids, dst_ids)
+    src_ids, dst_ids = pair_lists(pairs)
+    descs = group_descriptors(plan, WorkerRank(0, 0), dst, sources, src_ids, dst_ids)
     for rank, d in descs.items():
         copy(d, src_bufs[rank], bases[rank], dst_buf, dst_base)
     for layer in range(6):
@@ -199,43 +234,66 @@ def test_each_layer_is_copied_with_its_own_groups_blocks_across_pp_splits():
     assert moved == (3 * 2 + 3 * 3) * PAGE  # three sliding layers x 2 blocks + three full layers x 3 blocks
 
 
-def test_a_peer_whose_layer_is_in_another_group_is_refused_and_untagged_ids_stay_plain():
+def test_a_peer_whose_layer_is_in_another_group_is_refused_and_lists_must_match_the_groups():
     geometry = KVGeometry(2, HEADS, HEAD, "float32", BLOCK)
     plan = make_plan(ParallelLayout(), ParallelLayout(), geometry)
     rank = WorkerRank(0, 0)
     dst = hybrid_memory([0, 1], {0: 0, 1: 1}, 4, 1 << 20)
     swapped = hybrid_memory([0, 1], {0: 1, 1: 0}, 4, 1 << 24)
-    src_ids, dst_ids = tagged_lists([([1], [2]), ([3], [1])])
+    src_ids, dst_ids = pair_lists([([1], [2]), ([3], [1])])
     with pytest.raises(IncompatiblePeerError, match="KV-cache group"):
-        worker_descriptors(plan, rank, dst, {rank: swapped}, src_ids, dst_ids)
-    with pytest.raises(RequestParamsError, match="outside"):
-        worker_descriptors(plan, rank, dst, {rank: dst}, [2 << GROUP_SHIFT], [2 << GROUP_SHIFT])
+        group_descriptors(plan, rank, dst, {rank: swapped}, src_ids, dst_ids)
+    with pytest.raises(RequestParamsError, match="3 source and 3 destination block lists for 2 KV-cache groups"):
+        group_descriptors(plan, rank, dst, {rank: dst}, [*src_ids, [1]], [*dst_ids, [1]])
+    with pytest.raises(RequestParamsError, match="for 2 KV-cache groups"):  # one flat list for a two-group engine
+        worker_descriptors(plan, rank, dst, {rank: dst}, [1, 3], [2, 1])
     one = WorkerMemory(dst.regions, tuple(dataclass_replace_group(lk, 0) for lk in dst.layers))
-    with pytest.raises(RequestParamsError, match="outside"):  # a one-group engine never reads a tagged id
-        worker_descriptors(plan, rank, one, {rank: one}, src_ids, dst_ids)
+    with pytest.raises(RequestParamsError, match="for 1 KV-cache groups"):  # a one-group engine reads one list
+        group_descriptors(plan, rank, one, {rank: one}, src_ids, dst_ids)
+    with pytest.raises(RequestParamsError, match="outside"):
+        group_descriptors(plan, rank, dst, {rank: dst}, ([1], [4]), ([2], [1]))
 
 
-# -- kv_transfer_params ----------------------------------------------------------------------------------------
+GROUP_LISTS = st.lists(st.lists(st.tuples(st.integers(0, 11), st.integers(0, 11)), max_size=5), min_size=2, max_size=2)
 
 
-def test_params_carry_one_list_per_group_signed_and_in_nixls_format_too():
-    from kvbridge.wire.params import PrefillDone, parse_prefill_done
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from((1, 2, 3, 6)), GROUP_LISTS)
+def test_every_layer_gets_the_blocks_of_its_group_lists_under_any_pp_split(pp, lists):
+    """6 layers alternating groups 0 and 1, the prefill in `pp` stages, the decode in one: per group, random
+    (remote, local) pairs (a destination block written once per group); each layer's destination blocks hold
+    the prefill's blocks of its own group's pairs. Layers alias no tensor here (the test above covers aliasing),
+    so a wrong group's pairs show. Swapping the two groups' lists (negative control) is noticed whenever the
+    groups' pairs differ."""
+    group_of = {n: n % 2 for n in range(6)}
+    lists = [list({d: (r, d) for r, d in pairs}.values()) for pairs in lists]  # one source per destination block
+    geometry = KVGeometry(6, HEADS, HEAD, "float32", BLOCK)
+    nb = 12
+    prefill = ParallelLayout(pp=pp)
+    plan = make_plan(prefill, ParallelLayout(pp=1), geometry)
+    stage = {r: list(prefill.stage_layers(6, r.pp)) for r in prefill.workers()}
+    bases = {r: (1 + r.pp) << 20 for r in stage}
+    sources = {r: hybrid_memory(stage[r], group_of, nb, bases[r], alias=False) for r in stage}
+    dst_base = 1 << 28
+    dst = hybrid_memory(list(range(6)), group_of, nb, dst_base, alias=False)
+    rng = np.random.default_rng(pp)
+    src_bufs = {r: rng.integers(0, 256, m.regions[0].nbytes, dtype=np.uint8) for r, m in sources.items()}
 
-    done = PrefillDone(
-        remote_engine_id="e",
-        remote_request_id="r",
-        remote_block_ids=[],
-        remote_group_block_ids=[[7, 8, 9], [1, 2, 3, 4, 5]],
-        remote_host="127.0.0.1",
-        remote_port=5600,
-        remote_layout="pp=1,tp=1",
-    ).signed(b"k" * 32)
-    back = parse_prefill_done(done.to_dict())
-    assert back == done and back.group_block_ids == ([7, 8, 9], [1, 2, 3, 4, 5]) and back.verify(b"k" * 32)
-    tampered = parse_prefill_done(dict(done.to_dict(), remote_group_block_ids=[[9, 8, 7], [1, 2, 3, 4, 5]]))
-    assert not tampered.verify(b"k" * 32)
-    nixl = dict(done.to_dict(), remote_block_ids=[[7, 8, 9], [1, 2, 3, 4, 5]], remote_group_block_ids=[])
-    assert parse_prefill_done(nixl).group_block_ids == ([7, 8, 9], [1, 2, 3, 4, 5])
-    assert parse_prefill_done(dict(nixl, remote_block_ids=[[4, 5]])).group_block_ids == ([4, 5],)  # one group
-    with pytest.raises(RequestParamsError):
-        parse_prefill_done(dict(done.to_dict(), remote_block_ids=[1]))  # both set
+    def wrong_layers(pairs) -> list[int]:
+        src_ids, dst_ids = pair_lists([([r for r, _ in g], [d for _, d in g]) for g in pairs])
+        dst_buf = np.zeros(dst.regions[0].nbytes, dtype=np.uint8)
+        for rank, d in group_descriptors(plan, WorkerRank(0, 0), dst, sources, src_ids, dst_ids).items():
+            copy(d, src_bufs[rank], bases[rank], dst_buf, dst_base)
+        wrong = []
+        for layer in range(6):
+            rank = WorkerRank(prefill.stage_of_layer(6, layer), 0)
+            for r, d in lists[group_of[layer]]:
+                if block_bytes(dst_buf, dst_base, dst, layer, d) != block_bytes(
+                    src_bufs[rank], bases[rank], sources[rank], layer, r
+                ):
+                    wrong.append(layer)
+        return wrong
+
+    assert wrong_layers(lists) == []
+    if set(lists[0]) != set(lists[1]):
+        assert wrong_layers(lists[::-1]), lists  # each group's pairs applied to the other group's layers

@@ -90,15 +90,13 @@ def sides(config):
     )
 
 
-def test_scheduler_sides_publish_live_blocks_and_queue_one_tagged_load():
+def test_scheduler_sides_publish_live_blocks_and_queue_one_load_of_per_group_lists():
     """300 tokens at block 32, window 64: the prefill publishes the sliding group's 3 live blocks and all 10 of the
-    full group, holds them as decode workers will claim them; the decode pairs its own live blocks position by
-    position in one load of group-tagged ids."""
+    full group, holds them per group as decode workers will claim them; the decode pairs its own live blocks
+    position by position in one load of per-group lists."""
     from types import SimpleNamespace
 
     from vllm.v1.request import RequestStatus
-
-    from kvbridge.core.groups import GROUP_SHIFT
 
     config, _ = hybrid_config_and_tensors(64)
     prefill, decode = sides(config)
@@ -115,7 +113,7 @@ def test_scheduler_sides_publish_live_blocks_and_queue_one_tagged_load():
     delay, params = prefill.request_finished_all_groups(req, (sliding, full))
     assert delay and params["remote_group_block_ids"] == [[21, 22, 23], full] and params["remote_block_ids"] == []
     ((_, held, _, _),) = prefill.build_connector_meta().holds
-    assert held == (21, 22, 23, *((1 << GROUP_SHIFT) | b for b in full))
+    assert held == ((21, 22, 23), tuple(full))
 
     dreq = SimpleNamespace(request_id="d1", kv_transfer_params=dict(params), prompt_token_ids=prompt)
     assert decode.get_num_new_matched_tokens(dreq, 0) == (300, True)
@@ -123,7 +121,7 @@ def test_scheduler_sides_publish_live_blocks_and_queue_one_tagged_load():
     decode.update_state_after_alloc(dreq, local, 300)
     (job,) = decode.build_connector_meta().loads
     assert job.remote_blocks == held
-    assert job.local_blocks == (51, 52, 53, *((1 << GROUP_SHIFT) | b for b in range(61, 71)))
+    assert job.local_blocks == ((51, 52, 53), tuple(range(61, 71)))
 
 
 def test_scheduler_side_refuses_params_lacking_an_in_window_block():

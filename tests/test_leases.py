@@ -9,7 +9,7 @@ ORDER = blocks_digest(BLOCKS)  # what a reader's claim names: the published list
 
 
 def held(book: LeaseBook, now: float = 0.0, token: str = "tok") -> LeaseBook:
-    book.hold("r", now, token=token, prompt_hash="h", blocks=BLOCKS)
+    book.hold("r", now, token=token, prompt_hash="h", blocks=(BLOCKS,))
     return book
 
 
@@ -21,7 +21,7 @@ def test_an_unclaimed_request_expires_with_its_lease():
 
 def test_a_claim_pins_the_request_past_its_lease_until_the_read_deadline():
     book = held(LeaseBook(lease_s=10))
-    assert book.claim("r", "tok", "h", (1, 2), "decode-a", read_s=30, now=9.0, order=ORDER) is None
+    assert book.claim("r", "tok", "h", ((1, 2),), "decode-a", read_s=30, now=9.0, order=ORDER) is None
     assert book.due(20.0) == (set(), set())  # the lease alone would have freed it at 10
     assert book.due(9.0 + 30 + READ_MARGIN_S - 0.01) == (set(), set())  # the reader's timeout, not the lease
     assert book.due(9.0 + 30 + READ_MARGIN_S) == (set(), {"r"})
@@ -35,7 +35,7 @@ def test_negative_control_without_a_claim_the_same_clock_frees_it():
 def test_every_reader_notified_frees_it():
     book = held(LeaseBook(lease_s=10))
     for _ in range(2):  # both decode workers claim
-        assert book.claim("r", "tok", "h", (1,), "d", 5, now=1.0, order=ORDER) is None
+        assert book.claim("r", "tok", "h", ((1,),), "d", 5, now=1.0, order=ORDER) is None
     assert book.notified("r", "tok", "d", "dp0/pp0/tp0", 2, now=2.0)
     assert book.due(2.0) == (set(), set())
     assert book.notified("r", "tok", "d", "dp0/pp0/tp0", 2, now=2.0)  # a repeat counts once
@@ -46,8 +46,8 @@ def test_every_reader_notified_frees_it():
 
 def test_claims_notifications_and_aborts_need_the_token():
     book = held(LeaseBook(lease_s=10))
-    assert book.claim("r", "wrong", "h", (1,), "d", 5, now=1.0) == "not_held"  # says nothing of the request
-    assert book.claim("other", "tok", "h", (1,), "d", 5, now=1.0) == "not_held"
+    assert book.claim("r", "wrong", "h", ((1,),), "d", 5, now=1.0) == "not_held"  # says nothing of the request
+    assert book.claim("other", "tok", "h", ((1,),), "d", 5, now=1.0) == "not_held"
     assert not book.notified("r", "wrong", "d", "w", 1, now=1.0)
     assert not book.abort("r", "wrong")
     assert book.due(5.0) == (set(), set())
@@ -59,9 +59,9 @@ def test_claims_notifications_and_aborts_need_the_token():
 
 def test_a_claim_must_name_the_prompt_and_only_the_requests_blocks():
     book = held(LeaseBook(lease_s=10))
-    assert book.claim("r", "tok", "other-prompt", (1,), "d", 5, now=1.0) == "mismatch"
-    assert book.claim("r", "tok", "h", (1, 9), "d", 5, now=1.0, order=ORDER) == "mismatch"
-    assert book.claim("r", "tok", "h", (3,), "d", 5, now=1.0, order=ORDER) is None
+    assert book.claim("r", "tok", "other-prompt", ((1,),), "d", 5, now=1.0) == "mismatch"
+    assert book.claim("r", "tok", "h", ((1, 9),), "d", 5, now=1.0, order=ORDER) == "mismatch"
+    assert book.claim("r", "tok", "h", ((3,),), "d", 5, now=1.0, order=ORDER) is None
 
 
 def test_a_claim_must_name_the_published_order_of_the_blocks():
@@ -69,15 +69,17 @@ def test_a_claim_must_name_the_published_order_of_the_blocks():
     to sign them) would load KV into the wrong positions: their digest is not the held list's."""
     for edited in ((3, 2, 1), (1, 1, 1), (1, 2, 2), (2, 3, 1), (1, 2), (1, 2, 3, 4), ()):
         book = held(LeaseBook(lease_s=10))
-        assert book.claim("r", "tok", "h", (1,), "d", 5, now=1.0, order=blocks_digest(edited)) == "mismatch", edited
-        assert book.claim("r", "tok", "h", (1,), "d", 5, now=1.0) == "mismatch"  # no digest at all
-    assert held(LeaseBook(lease_s=10)).claim("r", "tok", "h", (1,), "d", 5, now=1.0, order=ORDER) is None
+        assert book.claim("r", "tok", "h", ((1,),), "d", 5, now=1.0, order=blocks_digest(edited)) == "mismatch", edited
+        assert book.claim("r", "tok", "h", ((1,),), "d", 5, now=1.0) == "mismatch"  # no digest at all
+    assert held(LeaseBook(lease_s=10)).claim("r", "tok", "h", ((1,),), "d", 5, now=1.0, order=ORDER) is None
 
 
 def test_negative_control_with_check_blocks_off_a_reordered_list_is_granted():
     book = held(LeaseBook(lease_s=10, check_blocks=False))
-    assert book.claim("r", "tok", "h", (1,), "d", 5, now=1.0, order=blocks_digest((3, 2, 1))) is None
-    assert book.claim("r", "tok", "h", (9,), "d", 5, now=1.0, order=ORDER) == "mismatch"  # the block set still counts
+    assert book.claim("r", "tok", "h", ((1,),), "d", 5, now=1.0, order=blocks_digest((3, 2, 1))) is None
+    assert (
+        book.claim("r", "tok", "h", ((9,),), "d", 5, now=1.0, order=ORDER) == "mismatch"
+    )  # the block set still counts
 
 
 def test_the_digest_names_the_order_and_every_id():
@@ -87,15 +89,15 @@ def test_the_digest_names_the_order_and_every_id():
 
 def test_a_second_engine_cannot_claim_or_complete_a_claimed_request():
     book = held(LeaseBook(lease_s=10))
-    assert book.claim("r", "tok", "h", (1,), "d1", 5, now=1.0, order=ORDER) is None
-    assert book.claim("r", "tok", "h", (1,), "d2", 5, now=1.0, order=ORDER) == "other_reader"
+    assert book.claim("r", "tok", "h", ((1,),), "d1", 5, now=1.0, order=ORDER) is None
+    assert book.claim("r", "tok", "h", ((1,),), "d2", 5, now=1.0, order=ORDER) == "other_reader"
     assert not book.notified("r", "tok", "d2", "dp0/pp0/tp0", 1, now=1.0)
     assert book.due(2.0) == (set(), set())
 
 
 def test_an_expired_request_cannot_be_claimed():
     book = held(LeaseBook(lease_s=10))
-    assert book.claim("r", "tok", "h", (1,), "d", 5, now=10.0, order=ORDER) == "not_held"
+    assert book.claim("r", "tok", "h", ((1,),), "d", 5, now=10.0, order=ORDER) == "not_held"
 
 
 def test_early_notifications_are_bounded_and_checked_when_the_hold_comes():

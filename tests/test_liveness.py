@@ -77,8 +77,8 @@ def source(engine: str, port: int, request_id: str) -> PrefillDone:
 def healthy_load(prefill: PrefillWorker, decode: DecodeWorker, config: BridgeConfig, i: int) -> float:
     """Seconds from queueing a healthy load to its report."""
     request_id = f"ok-{i}"
-    prefill.hold(request_id, (1, 2), token=f"token-{request_id}", prompt_hash="h")
-    job = LoadJob(f"decode-{request_id}", source("healthy", config.side_channel_port, request_id), (3, 4), (1, 2))
+    prefill.hold(request_id, ((1, 2),), token=f"token-{request_id}", prompt_hash="h")
+    job = LoadJob(f"decode-{request_id}", source("healthy", config.side_channel_port, request_id), ((3, 4),), ((1, 2),))
     t0 = time.monotonic()
     decode.load(job)
     deadline = t0 + 20
@@ -102,7 +102,7 @@ def latencies(workers) -> tuple[list[float], list[float]]:
     healthy_load(prefill, decode, config, -1)  # connect once: both series then read a cached engine
     alone = [healthy_load(prefill, decode, config, i) for i in range(10)]
     for i in range(3):  # three requests to the silent engine, each would wait 3 x 1 s for its handshake
-        decode.load(LoadJob(f"decode-silent-{i}", source("silent", silent_port, f"s{i}"), (5, 6), (1, 2)))
+        decode.load(LoadJob(f"decode-silent-{i}", source("silent", silent_port, f"s{i}"), ((5, 6),), ((1, 2),)))
     time.sleep(0.05)
     return alone, [healthy_load(prefill, decode, config, 100 + i) for i in range(10)]
 
@@ -138,13 +138,13 @@ def test_a_dead_engine_fails_the_next_loads_at_once(workers):
     """After one handshake to it timed out, loads naming the same engine fail within milliseconds (for a while),
     instead of each waiting out its own timeouts (three requests took 15, 30 and 45 s before)."""
     _prefill, decode, _config, silent_port = workers
-    decode.load(LoadJob("first", source("silent", silent_port, "a"), (5,), (1,)))
+    decode.load(LoadJob("first", source("silent", silent_port, "a"), ((5,),), ((1,),)))
     deadline = time.monotonic() + 10
     while not decode.results()[1] and time.monotonic() < deadline:
         time.sleep(0.05)
     t0 = time.monotonic()
     for i in range(3):
-        decode.load(LoadJob(f"next-{i}", source("silent", silent_port, f"b{i}"), (5,), (1,)))
+        decode.load(LoadJob(f"next-{i}", source("silent", silent_port, f"b{i}"), ((5,),), ((1,),)))
     failed: set[str] = set()
     while len(failed) < 3 and time.monotonic() < t0 + 5:
         failed |= decode.results()[1]
@@ -163,8 +163,8 @@ def test_an_idle_step_waits_for_an_outstanding_load_and_no_longer(workers):
     t0 = time.monotonic()
     assert decode.results(0.5)[:2] == (set(), set())
     assert time.monotonic() - t0 < 0.05  # nothing outstanding: no wait
-    prefill.hold("idle", (1, 2), token="token-idle", prompt_hash="h")
-    job = LoadJob("decode-idle", source("healthy", config.side_channel_port, "idle"), (3, 4), (1, 2))
+    prefill.hold("idle", ((1, 2),), token="token-idle", prompt_hash="h")
+    job = LoadJob("decode-idle", source("healthy", config.side_channel_port, "idle"), ((3, 4),), ((1, 2),))
     decode.load(job)
     assert decode.results()[0] == set()  # the negative control: no wait, not done yet
     waited, done = [], set()
@@ -185,14 +185,14 @@ def test_an_idle_prefill_step_waits_for_its_held_requests_and_no_longer(workers)
     t0 = time.monotonic()
     assert prefill.finished(0.5) == (set(), 0)
     assert time.monotonic() - t0 < 0.05  # nothing held: no wait
-    prefill.hold("held", (1, 2), token="token-held", prompt_hash="h")
+    prefill.hold("held", ((1, 2),), token="token-held", prompt_hash="h")
     t0 = time.monotonic()
     assert prefill.finished() == (set(), 0)  # the negative control: no wait
     assert time.monotonic() - t0 < 0.05
     t0 = time.monotonic()
     assert prefill.finished(0.2) == (set(), 0)  # held, nothing happens: waits its bound
     assert 0.15 < time.monotonic() - t0 < 1.0
-    decode.load(LoadJob("decode-held", source("healthy", config.side_channel_port, "held"), (3, 4), (1, 2)))
+    decode.load(LoadJob("decode-held", source("healthy", config.side_channel_port, "held"), ((3, 4),), ((1, 2),)))
     freed, waited = set(), []
     while not freed and len(waited) < 20:
         t0 = time.monotonic()
@@ -219,7 +219,7 @@ def many_silent_then_healthy(workers, engines: int = 20) -> float:
     OTHERS.clear()
     healthy_load(prefill, decode, config, -1)  # connected and cached
     for i in range(engines):
-        decode.load(LoadJob(f"decode-silent-{i}", source(f"silent-{i}", silent_port, f"s{i}"), (5, 6), (1, 2)))
+        decode.load(LoadJob(f"decode-silent-{i}", source(f"silent-{i}", silent_port, f"s{i}"), ((5, 6),), ((1, 2),)))
     time.sleep(0.05)
     return healthy_load(prefill, decode, config, 0)
 

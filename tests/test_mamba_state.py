@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.descriptors import worker_descriptors
+from kvbridge.core.descriptors import group_descriptors
 from kvbridge.core.errors import ConfigError, IncompatiblePeerError
-from kvbridge.core.groups import CacheGroup, computed_tokens, load_pairs, prefill_lists, tagged_lists
+from kvbridge.core.groups import CacheGroup, computed_tokens, load_pairs, pair_lists, prefill_lists
 from kvbridge.core.memory import LayerKV, Region, WorkerMemory
 from kvbridge.core.plan import make_plan
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
@@ -100,7 +100,7 @@ def run_pair(prefill: ParallelLayout, decode: ParallelLayout, swap_tp: bool = Fa
     bases = {r: (1 + i) << 24 for i, r in enumerate(prefill.workers())}
     sources = {r: worker_memory(prefill, r, nb, bases[r]) for r in prefill.workers()}
     bufs = {r: rng.integers(0, 256, m.regions[0].nbytes, dtype=np.uint8) for r, m in sources.items()}
-    src_ids, dst_ids = tagged_lists([([3], [6]), ([1, 2], [4, 5])])
+    src_ids, dst_ids = pair_lists([([3], [6]), ([1, 2], [4, 5])])
     problems = []
     for dw in decode.workers():
         dst_base = 1 << 30
@@ -109,7 +109,7 @@ def run_pair(prefill: ParallelLayout, decode: ParallelLayout, swap_tp: bool = Fa
         if swap_tp:  # negative control: each prefill rank's memory named as the other rank's
             given_sources = {r: sources[WorkerRank(r.pp, 1 - r.tp)] for r in sources}
         dst_buf = np.zeros(dst.regions[0].nbytes, dtype=np.uint8)
-        descs = worker_descriptors(plan, dw, dst, given_sources, src_ids, dst_ids)
+        descs = group_descriptors(plan, dw, dst, given_sources, src_ids, dst_ids)
         for rank, d in descs.items():
             src_rank = WorkerRank(rank.pp, 1 - rank.tp) if swap_tp else rank
             for s, t, n in zip(d.src_addr.tolist(), d.dst_addr.tolist(), d.length.tolist(), strict=True):
@@ -158,7 +158,7 @@ def test_another_tp_size_is_refused_when_state_is_planned():
     dst = worker_memory(ParallelLayout(tp=2), WorkerRank(0, 0), 8, 1 << 30)
     sources = {r: worker_memory(ParallelLayout(pp=2), r, 8, (1 + r.pp) << 24) for r in ParallelLayout(pp=2).workers()}
     with pytest.raises(IncompatiblePeerError, match=r"tp \(Mamba state layers\) is 2 here but 1 on the peer"):
-        worker_descriptors(plan, WorkerRank(0, 0), dst, sources, [0], [0])
+        group_descriptors(plan, WorkerRank(0, 0), dst, sources, ([0], []), ([0], []))
 
 
 # -- the handshake --------------------------------------------------------------------------------------------

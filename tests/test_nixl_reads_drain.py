@@ -106,7 +106,7 @@ def make_load(reads: NixlReads, ranks=RANKS, timeout_s: float = 60.0) -> Load:
     reads._descriptors = lambda load, engine: descs  # the plan's descriptors are not what this tests
     peers = {rank: SimpleNamespace(agent=f"prefill-tp{rank.tp}", memory=reads.memory) for rank in ranks}
     engine = SimpleNamespace(key=("p", "127.0.0.1", 1), peers=peers, layout=ParallelLayout(tp=len(ranks)))
-    job = LoadJob("req", None, (3,), (1,))
+    job = LoadJob("req", None, ((3,),), ((1,),))
     now = time.monotonic()
     return Load(job, now, now + timeout_s, engine=engine)
 

@@ -149,7 +149,7 @@ def test_a_flood_of_notifications_for_unknown_requests_stays_bounded(keyed):
 
 
 def test_a_replayed_claim_is_not_answered(keyed):
-    keyed.hold("r", (1,), token="tok", prompt_hash="h")
+    keyed.hold("r", ((1,),), token="tok", prompt_hash="h")
     sealer = Sealer(KEY)
     claim = wire.Claim(
         request_id="r", block_ids=(1,), engine_id="d", worker=wire.Worker(), token="tok", prompt_hash="h"

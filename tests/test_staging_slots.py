@@ -90,7 +90,7 @@ def stage(memory, request_id: str, token: str = "t") -> wire.Stage:
 
 def test_a_stage_needs_this_readers_claim(prefill):
     worker, client, _, memory = prefill
-    worker.hold("r", BLOCK_IDS, "t", "h")
+    worker.hold("r", (BLOCK_IDS,), "t", "h")
     unclaimed = ask(client, worker, stage(memory, "r"))
     assert isinstance(unclaimed, wire.ErrorReply) and unclaimed.message.endswith("not_claimed"), unclaimed
     assert isinstance(ask(client, worker, claim("r")), wire.Ack)
@@ -107,7 +107,7 @@ def test_a_stage_needs_this_readers_claim(prefill):
 
 def test_abort_gives_the_slots_back(prefill):
     worker, client, _, memory = prefill
-    worker.hold("r", BLOCK_IDS, "t", "h")
+    worker.hold("r", (BLOCK_IDS,), "t", "h")
     assert isinstance(ask(client, worker, claim("r")), wire.Ack)
     assert isinstance(ask(client, worker, stage(memory, "r")), wire.Staged)
     stager = worker.stager
@@ -121,7 +121,7 @@ def test_abort_gives_the_slots_back(prefill):
 
 def test_the_claims_expiry_gives_the_slots_back(prefill):
     worker, client, clock, memory = prefill
-    worker.hold("r", BLOCK_IDS, "t", "h")
+    worker.hold("r", (BLOCK_IDS,), "t", "h")
     assert isinstance(ask(client, worker, claim("r", read_s=1.0)), wire.Ack)
     assert isinstance(ask(client, worker, stage(memory, "r")), wire.Staged)
     stager = worker.stager

@@ -47,7 +47,7 @@ def job(request_id: str, port: int, blocks: tuple[int, ...] = (1, 2), local: tup
         remote_token=f"token-{request_id}",
         remote_prompt_hash="h",
     )
-    return LoadJob(f"decode-{request_id}", source, local, blocks)
+    return LoadJob(f"decode-{request_id}", source, (local,), (blocks,))
 
 
 # -- the budget itself (no NIXL) ----------------------------------------------------------------------
@@ -69,7 +69,7 @@ def test_a_loads_budget_grows_with_the_bytes_in_flight_and_is_capped():
     budget.end(huge)
     long = ReadBudget(BridgeConfig(transfer_timeout_s=590.0), 1_000_000, 1e8, 300.0)
     assert long.begin(huge) == MAX_READ_S  # never past the longest pin a prefill worker grants
-    refused = LoadJob("r", None, (1,), (1,), refused="no")
+    refused = LoadJob("r", None, ((1,),), ((1,),), refused="no")
     assert budget.begin(refused) == 25.0 and budget.in_flight == 0  # never read: not counted
 
 
@@ -125,7 +125,7 @@ def workers():
 
 
 def run_load(prefill: PrefillWorker, decode: DecodeWorker, port: int, request_id: str) -> tuple[bool, float]:
-    prefill.hold(request_id, (1, 2), token=f"token-{request_id}", prompt_hash="h")
+    prefill.hold(request_id, ((1, 2),), token=f"token-{request_id}", prompt_hash="h")
     j = job(request_id, port)
     t0 = time.monotonic()
     decode.load(j)

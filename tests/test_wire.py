@@ -177,6 +177,19 @@ def test_every_message_round_trips(message: wire.Message) -> None:
     assert wire.decode(data) == message
 
 
+def test_a_claim_carries_one_groups_blocks_as_before_and_several_groups_per_group() -> None:
+    worker = wire.Worker()
+    one = wire.Claim(request_id="r", engine_id="d", worker=worker, **wire.Claim.blocks_of(((3, 1, 2),)))
+    assert one.block_ids == (3, 1, 2) and one.group_block_ids == () and one.groups == ((3, 1, 2),)
+    several = wire.Claim(request_id="r", engine_id="d", worker=worker, **wire.Claim.blocks_of(((3,), (), (1, 2))))
+    assert several.block_ids == () and several.groups == ((3,), (), (1, 2))
+    for claim in (one, several):
+        assert wire.decode(wire.encode(claim)) == claim
+    older = _builtins(one)
+    del older["group_block_ids"]  # from a peer before per-group claims: its one list
+    assert wire.decode(msgspec.msgpack.encode(older)).groups == ((3, 1, 2),)
+
+
 def test_encode_refuses_what_is_not_a_message() -> None:
     with pytest.raises(TypeError):
         wire.encode(wire.Worker())  # type: ignore[arg-type]

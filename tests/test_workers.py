@@ -58,7 +58,7 @@ def wait_finished(worker: PrefillWorker, timeout: float = 10.0) -> tuple[set[str
 
 def test_a_side_channel_notification_frees_a_held_request_at_once(prefill):
     """What a CUDA IPC reader sends after its kernel: acknowledged, and the blocks are freed, not expired."""
-    prefill.hold("req-1", (3, 4), token="tok-1")
+    prefill.hold("req-1", ((3, 4),), token="tok-1")
     note = wire.Notify(request_id="req-1", engine_id="d", worker=wire.Worker(), expected=1, token="tok-1")
     assert isinstance(exchange("127.0.0.1", prefill.port, note, timeout_s=5), wire.Ack)
     again = exchange("127.0.0.1", prefill.port, note, timeout_s=5)  # repeat: no-op
@@ -68,7 +68,7 @@ def test_a_side_channel_notification_frees_a_held_request_at_once(prefill):
 
 def test_a_notification_without_the_token_frees_nothing(prefill):
     """A forged Notify (anyone who knows a request id) is refused, says nothing, and frees nothing."""
-    prefill.hold("req-3", (2,), token="secret")
+    prefill.hold("req-3", ((2,),), token="secret")
     for token in ("", "guess"):
         note = wire.Notify(request_id="req-3", engine_id="x", worker=wire.Worker(), expected=1, token=token)
         assert exchange("127.0.0.1", prefill.port, note, timeout_s=5) == wire.ErrorReply(message="refused")
@@ -83,7 +83,7 @@ def test_a_notification_without_the_token_frees_nothing(prefill):
 
 
 def test_a_request_waits_for_every_expected_reader(prefill):
-    prefill.hold("req-2", (1,))
+    prefill.hold("req-2", ((1,),))
     for tp in range(2):
         note = wire.Notify(request_id="req-2", engine_id="d", worker=wire.Worker(tp=tp), expected=2)
         assert prefill.finished() == (set(), 0)
@@ -168,7 +168,7 @@ def test_the_lease_book_is_only_touched_under_the_lock():
         with lock:  # no thread is inside the book while it is swapped
             prefill._leases = guarded
         for i in range(50):
-            prefill.hold(f"r{i}", (1,), token="t")
+            prefill.hold(f"r{i}", ((1,),), token="t")
             prefill.finished()  # the step thread's path
             prefill.finished(wait_s=0.001)  # an idle step: waits on the condition built on the lock
             time.sleep(0.002)  # let the background thread run rounds

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.core.arrays import ParallelArrays
 from kvbridge.core.errors import RequestParamsError
-from kvbridge.core.groups import untag
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.plan import Read, TransferPlan
 from kvbridge.core.segments import Segments, check_blocks, layer_segments, worker_segments
@@ -23,7 +23,7 @@ from kvbridge.core.topology import WorkerRank
 
 
 @dataclass(frozen=True, eq=False)
-class Descriptors:
+class Descriptors(ParallelArrays):
     """Parallel arrays: copy `length[i]` bytes from `src_addr[i]` (in source region `src_region[i]`) to
     `dst_addr[i]` (in destination region `dst_region[i]`)."""
 
@@ -40,17 +40,6 @@ class Descriptors:
     def nbytes(self) -> int:
         return int(self.length.sum())
 
-    @classmethod
-    def empty(cls) -> Descriptors:
-        z = np.zeros(0, dtype=np.int64)
-        return cls(z, z, z, z, z)
-
-    @classmethod
-    def concat(cls, parts: Sequence[Descriptors]) -> Descriptors:
-        if not parts:
-            return cls.empty()
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
-
     def coalesced(self) -> Descriptors:
         """Merge runs that continue each other on both sides (same regions), after sorting by source."""
         if len(self) <= 1:
@@ -61,9 +50,6 @@ class Descriptors:
         joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1]) & (sr[1:] == sr[:-1]) & (dr[1:] == dr[:-1])
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
         return Descriptors(s[starts], d[starts], np.add.reduceat(n, starts), sr[starts], dr[starts])
-
-
-_FIELDS = ("src_addr", "dst_addr", "length", "src_region", "dst_region")
 
 
 def expand(segments: Segments, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> Descriptors:
@@ -141,50 +127,38 @@ def worker_descriptors(
     dst_blocks: Sequence[int] | np.ndarray,
     coalesce: bool = True,
 ) -> dict[WorkerRank, Descriptors]:
-    """Every descriptor one decode worker posts for one request, grouped by the prefill worker it reads.
-
-    With several KV-cache groups (`dst.num_groups`), the block ids are group-tagged (`core.groups`): each layer is
-    copied with the pairs of its own group only."""
-    if dst.num_groups > 1:
-        return _group_descriptors(plan, decode_worker, dst, sources, src_blocks, dst_blocks, coalesce)
-    out = {}
-    for pw, segments in worker_segments(plan, decode_worker, dst, sources).items():
-        s_blocks, d_blocks = block_lists(src_blocks, dst_blocks, sources[pw], dst)
-        merged = expand(segments, s_blocks, d_blocks)
-        out[pw] = merged.coalesced() if coalesce else merged
-    return out
+    """Every descriptor one decode worker posts for one request of a one-group model, grouped by the prefill
+    worker it reads (`group_descriptors` with one list on each side)."""
+    return group_descriptors(plan, decode_worker, dst, sources, (src_blocks,), (dst_blocks,), coalesce)
 
 
-def _group_descriptors(
+def group_descriptors(
     plan: TransferPlan,
     decode_worker: WorkerRank,
     dst: WorkerMemory,
     sources: dict[WorkerRank, WorkerMemory],
-    src_blocks: Sequence[int] | np.ndarray,
-    dst_blocks: Sequence[int] | np.ndarray,
-    coalesce: bool,
+    src_groups: Sequence[Sequence[int] | np.ndarray],
+    dst_groups: Sequence[Sequence[int] | np.ndarray],
+    coalesce: bool = True,
 ) -> dict[WorkerRank, Descriptors]:
-    """`worker_descriptors` for group-tagged block ids: per group, its layers' segments times its pairs."""
-    s_tagged, d_tagged = _int64(src_blocks), _int64(dst_blocks)
-    if s_tagged.shape != d_tagged.shape or s_tagged.ndim != 1:
+    """Every descriptor one decode worker posts for one request, grouped by the prefill worker it reads (plan
+    order): per KV-cache group g, the segments of g's layers times the pairs (`src_groups[g][i]`,
+    `dst_groups[g][i]`). A block id is only ever paired with its own group's layers (`core.groups`).
+    RequestParamsError unless there is one list per group of `dst` on each side."""
+    groups = dst.num_groups
+    if len(src_groups) != groups or len(dst_groups) != groups:
         raise RequestParamsError(
-            f"block lists differ in length: {s_tagged.size} source blocks, {d_tagged.size} destination blocks"
+            f"{len(src_groups)} source and {len(dst_groups)} destination block lists for {groups} KV-cache groups"
         )
-    s_groups, s_ids = untag(s_tagged)
-    d_groups, d_ids = untag(d_tagged)
-    if not np.array_equal(s_groups, d_groups):
-        raise RequestParamsError("source and destination block ids pair blocks of different KV-cache groups")
-    if s_groups.size and (s_groups.min() < 0 or s_groups.max() >= dst.num_groups):
-        raise RequestParamsError(f"a block id names a KV-cache group outside [0, {dst.num_groups})")
     parts: dict[WorkerRank, list[Descriptors]] = {}
-    for group in np.unique(s_groups).tolist():
-        mask = s_groups == group
-        for pw, segments in worker_segments(plan, decode_worker, dst, sources, group=group).items():
-            s_g, d_g = block_lists(s_ids[mask], d_ids[mask], sources[pw], dst)
-            parts.setdefault(pw, []).append(expand(segments, s_g, d_g))
+    for group, (s, d) in enumerate(zip(src_groups, dst_groups, strict=True)):
+        segments_of = worker_segments(plan, decode_worker, dst, sources, group=group if groups > 1 else None)
+        for pw, segments in segments_of.items():  # every peer read, in plan order (the same for every group)
+            s_blocks, d_blocks = block_lists(s, d, sources[pw], dst)
+            parts.setdefault(pw, []).append(expand(segments, s_blocks, d_blocks))
     out = {}
-    for pw in worker_segments(plan, decode_worker, dst, sources):  # every peer read, in plan order
-        merged = Descriptors.concat(parts.get(pw, []))
+    for pw, got in parts.items():
+        merged = got[0] if len(got) == 1 else Descriptors.concat(got)
         out[pw] = merged.coalesced() if coalesce else merged
     return out
 

@@ -20,9 +20,10 @@ the others, always at the start of the list (`SlidingWindowManager`). Both sides
   computed tokens, not per-token KV. So it is published and loaded whole, as one block, and the token accounting
   changes (`computed_tokens`): vLLM recomputes the last prompt token on the decode side, which must not be applied
   to a state twice, so the prefill computes the first N-1 prompt tokens and the decode loads those N-1.
-- Worker side: one load carries all groups' pairs as *group-tagged* block ids (`tag`: `group << GROUP_SHIFT |
-  block id`; group 0's ids are the plain ids, so a one-group model's lists are what they always were), and
-  `core.descriptors.worker_descriptors` splits them again (`untag`) to copy each layer with its group's pairs.
+- Worker side: one load carries each group's pairs as a list of its own (`pair_lists`: per group, the remote ids
+  and the local ids), and `core.descriptors.group_descriptors` copies each layer with its group's lists: a block
+  id is only ever read together with its group, never packed with it into one number. A one-group model's load
+  is one list on each side, as it always was.
 """
 
 from __future__ import annotations
@@ -30,18 +31,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvbridge.core.errors import LayoutError, RequestParamsError
 
 NULL_BLOCK = 0
 """vLLM's null block: the placeholder for a block a sliding-window group no longer holds."""
 
-GROUP_SHIFT = 24
-"""Bits of a block id below its group tag (vLLM's block ids are indexes into one pool: far below 2**24)."""
-
 MAX_GROUPS = 64
-"""A tagged id stays below 2**30 (the wire's block ids are below 2**31)."""
+"""The most KV-cache groups one load carries (as the wire's params allow)."""
 
 
 @dataclass(frozen=True)
@@ -171,41 +167,16 @@ def load_pairs(
     return src, dst
 
 
-def tag(group: int, ids: Sequence[int]) -> list[int]:
-    """`ids` of group `group` as group-tagged ids (group 0: unchanged)."""
-    if not 0 <= group < MAX_GROUPS:
-        raise LayoutError(f"KV-cache group {group} is outside [0, {MAX_GROUPS})")
-    base = group << GROUP_SHIFT
-    for b in ids:
-        if not 0 <= b < 1 << GROUP_SHIFT:
-            raise RequestParamsError(f"block id {b} does not fit below 2**{GROUP_SHIFT}")
-    return [base | int(b) for b in ids]
-
-
-def published_blocks(block_ids: Sequence[int], group_lists: Sequence[Sequence[int]] = ()) -> tuple[int, ...]:
-    """The blocks a prefill holds for a request, in the order its params publish them: the one group's list, or
-    each group's list group-tagged, group by group. Both sides derive it from the params (a claim names its
-    `core.leases.blocks_digest`)."""
-    if group_lists:
-        return tuple(b for g, ids in enumerate(group_lists) for b in tag(g, ids))
-    return tuple(int(b) for b in block_ids)
-
-
-def untag(tagged: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(groups, block ids) of an int64 array of group-tagged ids."""
-    tagged = np.asarray(tagged, dtype=np.int64)
-    return tagged >> GROUP_SHIFT, tagged & ((1 << GROUP_SHIFT) - 1)
-
-
-def tagged_lists(
+def pair_lists(
     groups_pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """One load's (remote, local) tagged lists from each group's (remote ids, local ids), group by group."""
-    src: list[int] = []
-    dst: list[int] = []
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """One load's (remote, local) block lists per group, from each group's (remote ids, local ids): group g's
+    remote list pairs with its local list position by position. RequestParamsError unless every group's two lists
+    have one length; LayoutError unless there are 1 to MAX_GROUPS groups."""
+    check_groups(groups_pairs)
     for group, (s, d) in enumerate(groups_pairs):
         if len(s) != len(d):
             raise RequestParamsError(f"KV-cache group {group}: {len(s)} remote blocks for {len(d)} local blocks")
-        src += tag(group, s)
-        dst += tag(group, d)
-    return tuple(src), tuple(dst)
+    remote = tuple(tuple(int(b) for b in s) for s, _ in groups_pairs)
+    local = tuple(tuple(int(b) for b in d) for _, d in groups_pairs)
+    return remote, local

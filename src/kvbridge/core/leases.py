@@ -11,9 +11,10 @@ A claim pins the request for one reading engine: from then on the lease never fr
 notifications, an abort or the read deadline (the reader's own transfer timeout plus a margin, extended by each
 claim of that engine's workers) do. Every claim, notification and abort must carry the request's secret token
 (from the signed kv_transfer_params), so nobody else can free or pin a request; a claim must also name the
-prompt hash, only blocks of the request, and the digest of the request's whole block list in the order its
-params published it (`blocks_digest`): params whose blocks were reordered, repeated or replaced would load KV into
-the wrong positions, also without a deployment key to sign them. Notifications may arrive before the hold (without
+prompt hash, only blocks of the request (each KV-cache group's of that group), and the digest of the request's
+block lists, per group, in the order its params published them (`groups_digest`): params whose blocks were
+reordered, repeated, replaced or moved to another group would load KV into the wrong positions, also without a
+deployment key to sign them. Notifications may arrive before the hold (without
 claims): a few are kept, briefly, and checked against the token once the hold comes.
 """
 
@@ -50,12 +51,31 @@ def blocks_digest(blocks: Sequence[int]) -> str:
     return hashlib.sha256(data.tobytes()).hexdigest()[:32]
 
 
+_GROUPS_TAG = b"kvbridge-groups-v1\0"
+
+
+def groups_digest(groups: Sequence[Sequence[int]]) -> str:
+    """32 hex digits naming a request's block lists per KV-cache group, each list's order and which group holds
+    it: one group's is `blocks_digest` of its list (what one-group peers always sent); several groups' is SHA-256
+    of a domain tag and, group by group, the list's length and ids (little-endian int64), so that no two
+    different per-group lists share an input (a block id is below 2**31; the tag's first 8 bytes are not)."""
+    if len(groups) == 1:
+        return blocks_digest(groups[0])
+    data = array("q")
+    for ids in groups:
+        data.append(len(ids))
+        data.extend(ids)
+    if sys.byteorder == "big":  # pragma: no cover
+        data.byteswap()
+    return hashlib.sha256(_GROUPS_TAG + data.tobytes()).hexdigest()[:32]
+
+
 @dataclass
 class _Entry:
     token: str
     prompt_hash: str
-    blocks: frozenset[int]
-    order: str  # blocks_digest of the blocks as published
+    blocks: tuple[frozenset[int], ...]  # per KV-cache group
+    order: str  # groups_digest of the block lists as published
     expiry: float
     reader: str | None = None  # the decode engine that claimed it
     read_until: float | None = None
@@ -68,6 +88,11 @@ class _Entry:
 class _Early:
     seen: float
     notes: list[tuple[str, str, str, int]] = field(default_factory=list)  # (token, engine, worker, expected)
+
+
+def _within(held: tuple[frozenset[int], ...], blocks: Sequence[Iterable[int]]) -> bool:
+    """Whether each group's `blocks` are blocks the request holds in that group (no group it does not have)."""
+    return len(blocks) <= len(held) and all(h.issuperset(b) for h, b in zip(held, blocks, strict=False))
 
 
 def _same(a: str, b: str) -> bool:
@@ -95,10 +120,11 @@ class LeaseBook:
         now: float,
         token: str = "",
         prompt_hash: str = "",
-        blocks: Sequence[int] = (),
+        blocks: Sequence[Sequence[int]] = (),
     ) -> None:
-        """Hold `request_id`'s `blocks`, in the order its params publish them."""
-        entry = _Entry(token, prompt_hash, frozenset(blocks), blocks_digest(blocks), now + self.lease_s)
+        """Hold `request_id`'s `blocks`: per KV-cache group, its list in the order the params publish it."""
+        held = tuple(frozenset(ids) for ids in blocks)
+        entry = _Entry(token, prompt_hash, held, groups_digest(blocks), now + self.lease_s)
         self._entries[request_id] = entry
         early = self._early.pop(request_id, None)
         for note_token, engine, worker, expected in early.notes if early else ():
@@ -109,21 +135,22 @@ class LeaseBook:
         request_id: str,
         token: str,
         prompt_hash: str,
-        blocks: Iterable[int],
+        blocks: Sequence[Iterable[int]],
         reader: str,
         read_s: float,
         now: float,
         order: str = "",
     ) -> str | None:
         """Pin `request_id` for `reader` (a decode engine) for `read_s` more seconds; None if granted, else why not
-        (one word: not_held, mismatch, other_reader). `order`: the `blocks_digest` of the block list the reader's
-        params publish. A refusal says nothing of a request to one without its token."""
+        (one word: not_held, mismatch, other_reader). `blocks`: per KV-cache group, the blocks the reader reads;
+        `order`: the `groups_digest` of the block lists the reader's params publish. A refusal says nothing of a
+        request to one without its token."""
         entry = self._entries.get(request_id)
         if entry is None or not _same(entry.token, token) or self._lapsed(entry, now):
             self.refused_total += 1
             return "not_held"
         ordered = _same(entry.order, order) or not self.check_blocks
-        if entry.prompt_hash != prompt_hash or not entry.blocks.issuperset(blocks) or not ordered:
+        if entry.prompt_hash != prompt_hash or not _within(entry.blocks, blocks) or not ordered:
             self.refused_total += 1
             return "mismatch"
         if entry.reader is not None and entry.reader != reader:
@@ -137,9 +164,12 @@ class LeaseBook:
         entry.read_until = max(entry.read_until or until, until)
         return None
 
-    def reading(self, request_id: str, token: str, reader: str, blocks: Iterable[int], now: float) -> float | None:
-        """Until when `reader` may read `blocks` of `request_id` (its claim's pin), or None: not held, a wrong
-        token, no claim of this reader, or blocks not the request's. What the staged path asks before it copies."""
+    def reading(
+        self, request_id: str, token: str, reader: str, blocks: Sequence[Iterable[int]], now: float
+    ) -> float | None:
+        """Until when `reader` may read `blocks` (per KV-cache group) of `request_id` (its claim's pin), or None:
+        not held, a wrong token, no claim of this reader, or blocks not the request's. What the staged path asks
+        before it copies."""
         entry = self._entries.get(request_id)
         if (
             entry is None
@@ -147,7 +177,7 @@ class LeaseBook:
             or entry.reader != reader
             or entry.read_until is None
             or self._lapsed(entry, now)
-            or not entry.blocks.issuperset(blocks)
+            or not _within(entry.blocks, blocks)
         ):
             self.refused_total += 1
             return None

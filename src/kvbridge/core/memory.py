@@ -124,8 +124,8 @@ class WorkerMemory:
     regions: tuple[Region, ...]
     layers: tuple[LayerKV, ...]
     num_groups: int = 1
-    """The engine's KV-cache groups (several with vLLM's hybrid KV-cache manager): a load's block ids are then
-    group-tagged (`core.groups`). Local only: a peer's layers name their groups."""
+    """The engine's KV-cache groups (several with vLLM's hybrid KV-cache manager): a load then carries one block
+    list per group (`core.groups`). Local only: a peer's layers name their groups."""
 
     def __post_init__(self) -> None:
         if self.num_groups < 1:

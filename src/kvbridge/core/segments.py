@@ -10,21 +10,19 @@ host does no per-block work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.core.arrays import ParallelArrays
 from kvbridge.core.errors import IncompatiblePeerError, RequestParamsError
 from kvbridge.core.memory import LayerKV, WorkerMemory
 from kvbridge.core.plan import TransferPlan
 from kvbridge.core.topology import WorkerRank
 
-_FIELDS = ("src_addr", "dst_addr", "src_block_stride", "dst_block_stride", "length", "src_region", "dst_region")
-
 
 @dataclass(frozen=True, eq=False)
-class Segments:
+class Segments(ParallelArrays):
     """Parallel int64 arrays, one entry per run of a block pair (see the module docstring)."""
 
     src_addr: np.ndarray
@@ -42,13 +40,6 @@ class Segments:
     def block_bytes(self) -> int:
         """Bytes moved per block pair."""
         return int(self.length.sum())
-
-    @classmethod
-    def concat(cls, parts: Sequence[Segments]) -> Segments:
-        if not parts:
-            z = np.zeros(0, dtype=np.int64)
-            return cls(z, z, z, z, z, z, z)
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
 
 
 def check_pair(src: LayerKV, dst: LayerKV) -> None:

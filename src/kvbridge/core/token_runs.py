@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.core.arrays import ParallelArrays
 from kvbridge.core.descriptors import Descriptors, _int64
 from kvbridge.core.errors import IncompatiblePeerError, RequestParamsError
 from kvbridge.core.memory import PAGE_CPU_ATTN, PAGE_ROWS, LayerKV, WorkerMemory
@@ -77,21 +78,8 @@ def chunks(span: TokenSpan, src_block_size: int, dst_block_size: int) -> tuple[n
     return s // src_block_size, s % src_block_size, d // dst_block_size, d % dst_block_size, length
 
 
-_FIELDS = (
-    "src_addr",
-    "dst_addr",
-    "src_block_stride",
-    "dst_block_stride",
-    "src_token_stride",
-    "dst_token_stride",
-    "unit",
-    "src_region",
-    "dst_region",
-)
-
-
 @dataclass(frozen=True, eq=False)
-class TokenSegments:
+class TokenSegments(ParallelArrays):
     """Parallel int64 arrays, one entry per (layer, plane, head[, channel]) run of a chunk: the chunk's tokens
     [o, o + L) of block b are `L * unit[k]` bytes from `src_addr[k] + b * src_block_stride[k] + o *
     src_token_stride[k]` (likewise on the destination). `token_stride == unit` on both sides keeps a chunk in
@@ -109,16 +97,6 @@ class TokenSegments:
 
     def __len__(self) -> int:
         return len(self.unit)
-
-    @classmethod
-    def concat(cls, parts: Sequence[TokenSegments]) -> TokenSegments:
-        if not parts:
-            z = np.zeros(0, dtype=np.int64)
-            return cls(*([z] * len(_FIELDS)))
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
-
-    def select(self, mask: np.ndarray) -> TokenSegments:
-        return TokenSegments(*(getattr(self, f)[mask] for f in _FIELDS))
 
 
 def planes(lk: LayerKV) -> list[tuple[int, int, int, int]]:
@@ -150,7 +128,8 @@ def layer_token_segments(src: LayerKV, dst: LayerKV, src_head: int, dst_head: in
     if not (dst_head >= 0 and dst_head + num_heads <= dst.num_heads):
         raise IncompatiblePeerError(f"layer {dst.layer} heads", dst.num_heads, (dst_head, num_heads))
     item = src.itemsize
-    cols: dict[str, list[int]] = {f: [] for f in _FIELDS}
+    per_run = ("src_addr", "dst_addr", "src_token_stride", "dst_token_stride", "unit")
+    cols: dict[str, list[int]] = {f: [] for f in per_run}
     for (s_off, s_tok, s_ch, channels), (d_off, d_tok, d_ch, d_channels) in zip(planes(src), planes(dst), strict=True):
         if channels != d_channels:
             raise IncompatiblePeerError(f"layer {src.layer} channels", d_channels, channels)
@@ -172,7 +151,7 @@ def layer_token_segments(src: LayerKV, dst: LayerKV, src_head: int, dst_head: in
     cols["dst_block_stride"] = [dst.block_stride] * k
     cols["src_region"] = [src.region] * k
     cols["dst_region"] = [dst.region] * k
-    return TokenSegments(*(np.asarray(cols[f], dtype=np.int64).reshape(k) for f in _FIELDS))
+    return TokenSegments(**{f: np.asarray(v, dtype=np.int64).reshape(k) for f, v in cols.items()})
 
 
 def expand_tokens(

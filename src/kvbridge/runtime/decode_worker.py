@@ -40,9 +40,8 @@ from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import KVBridgeError, RequestParamsError, TransferError, TransferTimeout
-from kvbridge.core.groups import published_blocks
 from kvbridge.core.identity import WorkerIdentity
-from kvbridge.core.leases import blocks_digest
+from kvbridge.core.leases import groups_digest
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.ipc_reads import IpcReads
@@ -186,11 +185,12 @@ class DecodeWorker:
         if job.report:
             with self._lock:
                 self._outstanding += 1
-        if job.refused or job.source is None:
-            self._refuse(load, job.refused or "no prefill location")
-            return
-        if not job.report:  # the request is gone here: only free the prefill side's blocks
-            self._tell(self._abort_message(job, "aborted before its load"), job, tuple(job.source.layout.workers()))
+        if not job.reads:
+            if job.refused or job.source is None:
+                self._refuse(load, job.refused or "no prefill location")
+            else:  # the request is gone here: only free the prefill side's blocks
+                workers = tuple(job.source.layout.workers())
+                self._tell(self._abort_message(job, "aborted before its load"), job, workers)
             return
         future = self.peers.connect(job.source)
         future.add_done_callback(lambda f: self._admit(load, f))
@@ -285,7 +285,7 @@ class DecodeWorker:
             self.peers.begin(engine)
             load.begun = True
             load.read_ranks = self._ranks_read(load, engine)
-            if self.config.verify_requests and load.job.remote_blocks and load.read_ranks:
+            if self.config.verify_requests and load.job.num_blocks and load.read_ranks:
                 stale = self._claim(load, engine)
                 if stale:
                     self.peers.drop(engine, f"worker {stale} restarted (new epoch)")
@@ -305,7 +305,7 @@ class DecodeWorker:
 
     def _ranks_read(self, load: Load, engine: Engine) -> tuple[WorkerRank, ...]:
         """The prefill workers this worker reads from for this job (all of the plan's, if it has blocks)."""
-        if not load.job.local_blocks:
+        if not load.job.num_blocks:
             return ()
         return engine.plan.peers_of(self.identity.rank)
 
@@ -315,13 +315,13 @@ class DecodeWorker:
         job, source = load.job, load.job.source
         claim = wire.Claim(
             request_id=source.remote_request_id,
-            block_ids=tuple(job.remote_blocks),
+            **wire.Claim.blocks_of(job.remote_blocks),
             engine_id=self.identity.engine_id,
             worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
             token=source.remote_token,
             prompt_hash=source.remote_prompt_hash,
             read_timeout_s=max(0.0, load.deadline - time.monotonic()),
-            blocks_digest=blocks_digest(published_blocks(source.remote_block_ids, source.remote_group_block_ids)),
+            blocks_digest=groups_digest(source.group_block_ids),
         )
         window = min(load.deadline, time.monotonic() + self.config.claim_window_s)
         pending = list(load.read_ranks)

@@ -97,10 +97,10 @@ class IpcReads:
         """Queue the load's kernels (transfer thread); a failed launch reports the load once the stream is idle."""
         engine, job = load.engine, load.job
         try:
-            remote, local = job.remote_blocks, job.local_blocks
+            remote, local = job.one_group()  # the gather kernels serve one-group engines only
             for rank in engine.kernels:  # arrays after the first: the later checks convert nothing
                 remote, local = block_lists(remote, local, engine.peers[rank].memory, self.memory)
-            live = engine.kernels if job.local_blocks else {}
+            live = engine.kernels if job.num_blocks else {}
             load.start_event, load.event = self.reader.launch(live, remote, local)
         except Exception as exc:  # bad block ids, or a launch error
             if not isinstance(exc, KVBridgeError):
@@ -114,7 +114,7 @@ class IpcReads:
             load.error = str(exc)
             self.failed(load, load.error)
             return
-        load.nbytes = sum(k.block_bytes for k in live.values()) * len(job.local_blocks)
+        load.nbytes = sum(k.block_bytes for k in live.values()) * job.num_blocks
         load.posted = time.monotonic()
         self._launched.put(load)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.core.errors import RequestParamsError
 from kvbridge.core.token_runs import TokenSpan
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.peers import Engine
@@ -19,20 +20,49 @@ from kvbridge.wire.params import PrefillDone
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Read `remote_blocks` of a prefill request into `local_blocks`. `report` False: only tell the prefill side
-    to free (the request is gone here, e.g. aborted before it was scheduled). `refused`: fail at once, reading
-    nothing (the scheduler refused the params under kv_load_failure_policy=fail). `span`: the prefill's blocks
-    hold `remote_block_size` tokens, not the decode's block size: the span's tokens are copied (`core.token_runs`)
-    rather than block pairs."""
+    """Read a prefill request's blocks into this engine's: per KV-cache group g, `remote_blocks[g][i]` into
+    `local_blocks[g][i]` (`core.groups.pair_lists`; a one-group model has one list on each side). `report` False:
+    only tell the prefill side to free (the request is gone here, e.g. aborted before it was scheduled).
+    `refused`: fail at once, reading nothing (the scheduler refused the params under kv_load_failure_policy=fail).
+    `span`: the prefill's blocks hold `remote_block_size` tokens, not the decode's block size: the span's tokens
+    are copied (`core.token_runs`) rather than block pairs (one group only)."""
 
     request_id: str
     source: PrefillDone | None
-    local_blocks: tuple[int, ...]
-    remote_blocks: tuple[int, ...]
+    local_blocks: tuple[tuple[int, ...], ...]
+    remote_blocks: tuple[tuple[int, ...], ...]
     report: bool = True
     refused: str = ""
     span: TokenSpan | None = None
     remote_block_size: int = 0
+
+    def __post_init__(self) -> None:
+        """Only the shape the scheduler side builds (lists of unequal length, which params may bring, fail the load
+        when its descriptors are made, as any bad block ids do)."""
+        if len(self.local_blocks) != len(self.remote_blocks):
+            raise ValueError(
+                f"{len(self.local_blocks)} local and {len(self.remote_blocks)} remote KV-cache groups in one job"
+            )
+        if self.span is not None and len(self.local_blocks) > 1:
+            raise ValueError("a token span is copied for one KV-cache group only")
+
+    @property
+    def reads(self) -> bool:
+        """Whether this job is read and reported: it has a prefill location, was not refused and is still wanted
+        here (otherwise it is refused at once, or only frees the prefill side's blocks)."""
+        return self.report and self.source is not None and not self.refused
+
+    @property
+    def num_blocks(self) -> int:
+        """Local blocks the job writes, over all groups."""
+        return sum(map(len, self.local_blocks))
+
+    def one_group(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(remote, local) block lists of a job of at most one group (paths that copy one group only: token spans,
+        prepared lists, staging, CUDA IPC); RequestParamsError for several."""
+        if len(self.local_blocks) > 1:
+            raise RequestParamsError(f"a job of {len(self.local_blocks)} KV-cache groups on a one-group path")
+        return (self.remote_blocks[0], self.local_blocks[0]) if self.local_blocks else ((), ())
 
 
 @dataclass

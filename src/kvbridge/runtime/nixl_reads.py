@@ -29,8 +29,8 @@ from kvbridge.core.descriptors import (
     PreparedTable,
     block_lists,
     expand,
+    group_descriptors,
     prefer_prepared,
-    worker_descriptors,
 )
 from kvbridge.core.errors import IncompatiblePeerError, KVBridgeError, RequestParamsError, TransferError
 from kvbridge.core.identity import WorkerIdentity
@@ -96,10 +96,10 @@ class ReadBudget:
         return min(self.config.transfer_timeout_s + extra, MAX_READ_S)
 
     def begin(self, job: LoadJob) -> float:
-        """Count a job that will be read (and reported); returns its budget in seconds."""
-        if not (job.report and job.source is not None and not job.refused and job.local_blocks):
+        """Count a job that will be read (`LoadJob.reads`) and has blocks; returns its budget in seconds."""
+        nbytes = job.num_blocks * self.bytes_per_block
+        if not (job.reads and nbytes):
             return self.config.transfer_timeout_s
-        nbytes = len(job.local_blocks) * self.bytes_per_block
         with self._lock:
             self._total += nbytes
             self._bytes[id(job)] = nbytes
@@ -385,11 +385,17 @@ class NixlReads:
     def _descriptors(self, load: Load, engine: Engine) -> dict:
         """Per prefill worker read: coalesced Descriptors, or a PreparedRead where prepared lists pay off."""
         job = load.job
-        if not job.local_blocks:
+        if not job.num_blocks:
             return {}
-        src_blocks = np.asarray(job.remote_blocks, dtype=np.int64)
-        dst_blocks = np.asarray(job.local_blocks, dtype=np.int64)
         sources = {rank: peer.memory for rank, peer in engine.peers.items()}
+        if self.memory.num_groups > 1 or (job.span is None and not self.transport.config.prepared_lists):
+            descs = group_descriptors(
+                engine.plan, self.identity.rank, self.memory, sources, job.remote_blocks, job.local_blocks
+            )
+            return {rank: d for rank, d in descs.items() if len(d)}
+        remote, local = job.one_group()  # token spans and prepared lists: one group
+        src_blocks = np.asarray(remote, dtype=np.int64)
+        dst_blocks = np.asarray(local, dtype=np.int64)
         if job.span is not None:  # different block sizes: the span's tokens, never prepared lists
             for rank, memory in sources.items():
                 if memory.layers[0].block_size != job.remote_block_size:
@@ -400,9 +406,6 @@ class NixlReads:
             descs = worker_token_descriptors(
                 engine.plan, self.identity.rank, self.memory, sources, src_blocks, dst_blocks, job.span
             )
-            return {rank: d for rank, d in descs.items() if len(d)}
-        if not self.transport.config.prepared_lists:
-            descs = worker_descriptors(engine.plan, self.identity.rank, self.memory, sources, src_blocks, dst_blocks)
             return {rank: d for rank, d in descs.items() if len(d)}
         out: dict = {}
         for rank, segments in self._peer_segments(engine, sources).items():
@@ -428,9 +431,9 @@ class NixlReads:
         """The parts of the load to read through staging (their slots reserved), where the cost model says so."""
         if self.staged is None or not descs:
             return []
-        job = load.job
-        src_blocks = np.asarray(job.remote_blocks, dtype=np.int64)
-        dst_blocks = np.asarray(job.local_blocks, dtype=np.int64)
+        remote, local = load.job.one_group()  # staging is made for one-group engines only
+        src_blocks = np.asarray(remote, dtype=np.int64)
+        dst_blocks = np.asarray(local, dtype=np.int64)
         sources = {rank: peer.memory for rank, peer in engine.peers.items()}
         segments = self._peer_segments(engine, sources)
         parts = []

@@ -138,8 +138,11 @@ class PrefillWorker:
         logger.info("kvbridge prefill worker %s serving handshakes on port %d", ident, self.port)
         return self
 
-    def hold(self, request_id: str, block_ids: tuple[int, ...] = (), token: str = "", prompt_hash: str = "") -> None:
-        """Keep `request_id`'s blocks until its readers are done, it is aborted, or its lease expires."""
+    def hold(
+        self, request_id: str, block_ids: tuple[tuple[int, ...], ...] = (), token: str = "", prompt_hash: str = ""
+    ) -> None:
+        """Keep `request_id`'s blocks (per KV-cache group, as its params publish them) until its readers are done,
+        it is aborted, or its lease expires."""
         with self._lock:
             self._leases.hold(request_id, self.clock(), token, prompt_hash, block_ids)
         self._wake.set()
@@ -155,7 +158,7 @@ class PrefillWorker:
                         message.request_id,
                         message.token,
                         message.prompt_hash,
-                        message.block_ids,
+                        message.groups,
                         message.engine_id,
                         message.read_timeout_s or self.config.transfer_timeout_s,
                         now,
@@ -176,7 +179,7 @@ class PrefillWorker:
                 # are gathered ahead by the stager's own thread
                 with self._lock:
                     until = self._leases.reading(
-                        message.request_id, message.token, message.engine_id, message.block_ids, now
+                        message.request_id, message.token, message.engine_id, (message.block_ids,), now
                     )
                 if until is None:
                     return wire.ErrorReply(message="stage refused: not_claimed")

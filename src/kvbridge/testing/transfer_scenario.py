@@ -167,7 +167,7 @@ def _prefill_main(scenario, rank, config, engine_id, ready, finished, stop):
         blocks = tuple(scenario.blocks()[0])
         for request_id in held_ids(scenario):
             token, digest = request_secrets(scenario, request_id)
-            worker.hold(request_id, blocks, token, digest)
+            worker.hold(request_id, (blocks,), token, digest)
         ready.put(("ready", str(rank)))
         start = time.monotonic()
         released: list[str] = []  # in the order freed; a request freed twice appears twice
@@ -237,7 +237,7 @@ def _decode_main(scenario, rank, config, source, results, warm_barrier):
             limit = 1 if not finished else scenario.concurrent
             while submitted < len(ids) and submitted - finished < limit:
                 job_source = _params(scenario, source, ids[submitted])
-                worker.load(LoadJob(f"decode-req-{submitted}", job_source, tuple(dst), tuple(src)))
+                worker.load(LoadJob(f"decode-req-{submitted}", job_source, (tuple(dst),), (tuple(src),)))
                 submitted += 1
             d, f, s = worker.results()
             done |= d

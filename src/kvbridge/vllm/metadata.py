@@ -17,7 +17,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
     releases: list[LoadJob] = field(default_factory=list)
     """Decode side: requests gone before they read (aborted): only tell the prefill side to free."""
 
-    holds: list[tuple[str, tuple[int, ...], str, str]] = field(default_factory=list)
+    holds: list[tuple[str, tuple[tuple[int, ...], ...], str, str]] = field(default_factory=list)
     """Prefill side: finished requests (id, block ids, token, prompt hash) whose blocks stay held for readers."""
 
     idle: bool = False

@@ -27,9 +27,8 @@ from kvbridge.core.groups import (
     computed_tokens,
     has_state,
     load_pairs,
+    pair_lists,
     prefill_lists,
-    published_blocks,
-    tagged_lists,
 )
 from kvbridge.core.token_runs import span_of
 from kvbridge.runtime.decode_worker import LoadJob
@@ -263,18 +262,18 @@ class SchedulerSide:
             src, dst, span = span_of(prompt, prompt - num_external_tokens, remote_size, self.block_size)
             local, remote = tuple(block_ids[dst.start : dst.stop]), tuple(source.remote_block_ids[src.start : src.stop])
             self._meta.loads.append(
-                LoadJob(request.request_id, source, local, remote, span=span, remote_block_size=remote_size)
+                LoadJob(request.request_id, source, (local,), (remote,), span=span, remote_block_size=remote_size)
             )
             return
         first = (prompt - num_external_tokens) // self.block_size  # blocks already cached here
         last = -(-prompt // self.block_size)
         local = tuple(block_ids[first:last])
         remote = tuple(source.remote_block_ids[first:last])
-        self._meta.loads.append(LoadJob(request.request_id, source, local, remote))
+        self._meta.loads.append(LoadJob(request.request_id, source, (local,), (remote,)))
 
     def _load_groups(self, request: Request, source: PrefillDone, blocks: KVCacheBlocks, num_external: int) -> None:
         """Several KV-cache groups: each group's blocks the decode's manager holds (not null) from the prompt's
-        first uncached block on, paired with the prefill's at the same position, in one job of group-tagged ids.
+        first uncached block on, paired with the prefill's at the same position: one job of per-group lists.
         A block needed here that the prefill no longer holds fails the load (and frees the prefill's blocks)."""
         local = blocks.get_block_ids()
         prompt = self._moved(request)
@@ -283,7 +282,7 @@ class SchedulerSide:
                 load_pairs(group, local[i], remote, prompt, group.first_block(prompt - num_external))
                 for i, (group, remote) in enumerate(zip(self.groups, source.group_block_ids, strict=True))
             ]
-            remote_ids, local_ids = tagged_lists(pairs)
+            remote_ids, local_ids = pair_lists(pairs)
         except RequestParamsError as exc:
             logger.warning("kvbridge: request %s: its blocks cannot be loaded: %s", request.request_id, exc)
             self._meta.loads.append(LoadJob(request.request_id, None, (), (), refused=str(exc)))
@@ -346,7 +345,6 @@ class SchedulerSide:
                 logger.warning("kvbridge: request %s: its KV is not published: %s", request.request_id, exc)
                 return False, None
             block_ids = []
-        held = published_blocks(block_ids, group_lists)  # as decode workers claim them, in this order
         done = PrefillDone(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
@@ -366,5 +364,6 @@ class SchedulerSide:
         )
         if self.key is not None:
             done = done.signed(self.key)
+        held = tuple(tuple(ids) for ids in done.group_block_ids)  # per group, as decode workers claim them
         self._meta.holds.append((request.request_id, held, done.remote_token, done.remote_prompt_hash))
         return True, done.to_dict()

@@ -430,6 +430,8 @@ class Claim(_Message, tag="claim", kw_only=True):
     Answered by Ack, or ErrorReply saying why not (unknown, finished, lease expired, blocks not the request's):
     a decode side must never read blocks that no longer, or never did, hold the request's KV. A granted claim
     pins the request for this decode engine for `read_timeout_s` (plus a margin): no lease expiry under the read.
+    The blocks read, as the params carry them: `block_ids` for one KV-cache group, or per group
+    `group_block_ids` (`block_ids` then empty).
     """
 
     request_id: Id
@@ -439,7 +441,22 @@ class Claim(_Message, tag="claim", kw_only=True):
     token: Secret = ""
     prompt_hash: Secret = ""
     read_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    blocks_digest: Secret = ""  # of the request's whole block list, in the order its params publish it
+    blocks_digest: Secret = ""  # core.leases.groups_digest of the request's block lists as its params publish them
+    group_block_ids: Annotated[
+        tuple[Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=1 << 16)], ...], msgspec.Meta(max_length=64)
+    ] = ()
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The blocks read per KV-cache group."""
+        return self.group_block_ids or (self.block_ids,)
+
+    @staticmethod
+    def blocks_of(groups: tuple[tuple[int, ...], ...]) -> dict[str, tuple]:
+        """The block fields of a claim of `groups` (per KV-cache group): one group's list in `block_ids`."""
+        if len(groups) == 1:
+            return {"block_ids": groups[0]}
+        return {"block_ids": (), "group_block_ids": groups}
 
 
 class Abort(_Message, tag="abort", kw_only=True):
