@@ -28,6 +28,8 @@ Policies (what the decode side does with its xfer handles):
   notification), waited for up to S: the prefill has no GET replies queued towards us once it is done
   (runs before 2026-12-01 20:36 read 64 bytes into block 0 with a notification instead)
 --linger-s S: before the drop or close, keep the endpoint open and polled for S (the time-based alternative)
+--restart-each: a fresh prefill process for each cut (a guess to test: UCX's request pool grows from unzeroed memory
+  on a fresh process's first cuts, and the purge reads a field the GET-reply request never sets)
 --alternate on: the treatment (barrier and/or linger) on odd cuts only, an A/B in one run ("by_arm" in the JSON)
 --drop: when the decode side also removes the prefill agent (remove_remote_agent; re-added on the next post):
   never (kvbridge on a timeout; it still does at close, counted as "shutdown"), timeout (with the timed-out
@@ -109,7 +111,7 @@ def prefill_main(args) -> None:
         os.replace(work / "tmp.meta", meta)
         backoff = Backoff(first_s=100e-6, cap_s=2e-3)  # runtime/prefill_worker.py's rhythm
         notes = 0
-        while not (work / "stop").exists():
+        while not ((work / "stop").exists() or (work / f"stop-{args.gen}").exists()):
             got = transport.notifications()  # NIXL getNotifs: where CI's crash happened
             if got:
                 notes += sum(len(v) for v in got.values())
@@ -515,6 +517,13 @@ def run(args, argv: list[str]) -> int:
                     print(f"budget of {args.budget_s} s spent after {i} cuts", flush=True)
                     break
                 check(i, restored_at)
+                if args.restart_each and i > 0 and procs["prefill"].alive():  # every cut on a fresh prefill
+                    Path(work, f"stop-{gen}").touch()
+                    procs["prefill"].p.wait(30)
+                    check(i, restored_at)  # an exit by a signal here is a crash, counted on this cut
+                    if not procs["prefill"].alive() and procs["prefill"].p.returncode == 0:
+                        procs["prefill"].stop()
+                        start_prefill()
                 dec = procs["decode"]
                 timeout_s = rng.uniform(*args.timeout_s)
                 down_s = rng.uniform(*args.down_s)
@@ -689,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--linger-s", type=float, default=0.0, help="before a drop or close, keep polling the endpoint this long"
+    )
+    p.add_argument(
+        "--restart-each", action="store_true", help="a fresh prefill process for every cut (stopped cleanly first)"
     )
     p.add_argument("--cut", choices=["down", "netem"], default="down")
     p.add_argument("--rate", default="32mbit", help="tbf rate on the path to the decode host")
