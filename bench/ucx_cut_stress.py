@@ -23,8 +23,14 @@ Policies (what the decode side does with its xfer handles):
                  the peer; a release NIXL refuses is retried on every poll
   final-only     never release a handle whose status is not final (DONE/ERR): after the timeout keep polling
   pre-cut        release (cancel) every handle right before the link is cut
---barrier-s S: before any removal of the prefill agent (and before close), one tiny READ from it, waited for up to S
-  (a candidate workaround: the prefill has no GET replies queued towards us once it is done)
+--barrier-s S: before any removal of the prefill agent (and before close), one flush READ from it
+  (NixlTransport.post_flush, what runtime/nixl_reads.py now posts: 64 bytes into a scratch buffer, no
+  notification), waited for up to S: the prefill has no GET replies queued towards us once it is done
+  (runs before 2026-12-01 20:36 read 64 bytes into block 0 with a notification instead)
+--linger-s S: before the drop or close, keep the endpoint open and polled for S (the time-based alternative)
+--restart-each: a fresh prefill process for each cut (a guess to test: UCX's request pool grows from unzeroed memory
+  on a fresh process's first cuts, and the purge reads a field the GET-reply request never sets)
+--alternate on: the treatment (barrier and/or linger) on odd cuts only, an A/B in one run ("by_arm" in the JSON)
 --drop: when the decode side also removes the prefill agent (remove_remote_agent; re-added on the next post):
   never (kvbridge on a timeout; it still does at close, counted as "shutdown"), timeout (with the timed-out
   READ's release), close (after the restore, the decode closes its agent and starts a new one: a decode
@@ -32,6 +38,10 @@ Policies (what the decode side does with its xfer handles):
 
     .venv/bin/python bench/ucx_cut_stress.py --name defaults --cuts 50
     .venv/bin/python bench/ucx_cut_stress.py --name put-off --env UCX_TCP_PUT_ENABLE=n
+    # the A/B that decided the workaround: the decode closes its agent right after each restore, the flush READ
+    # before the close on odd cuts (pass another --seed per run: the cut sequence is seeded)
+    .venv/bin/python bench/ucx_cut_stress.py --name hot-ab-flush --seed 1 --drop close --barrier-s 15 \
+        --alternate on --settle-s 0 --down-s 0.3 1.5 --timeout-s 0.3 1.0 --after-s 0.2 --budget-s 270
 
 Each run writes bench/results/ucx-cut-<name>-<stamp>.json. Needs root and iproute2 (like tests/hosts.py); everything
 it makes (namespaces, veths, bridge, qdiscs, processes) is removed on exit, also on failure.
@@ -101,7 +111,7 @@ def prefill_main(args) -> None:
         os.replace(work / "tmp.meta", meta)
         backoff = Backoff(first_s=100e-6, cap_s=2e-3)  # runtime/prefill_worker.py's rhythm
         notes = 0
-        while not (work / "stop").exists():
+        while not ((work / "stop").exists() or (work / f"stop-{args.gen}").exists()):
             got = transport.notifications()  # NIXL getNotifs: where CI's crash happened
             if got:
                 notes += sum(len(v) for v in got.values())
@@ -130,6 +140,8 @@ class Decode:
         self.active: list[dict] = []  # {"t": Transfer, "posted": s, "timed_out": bool}
         self.unreleased: list = []  # handles whose release NIXL refused (retried each poll)
         self.stats = {"done": 0, "err": 0, "timeout_released": 0, "release_refused": 0, "dropped_peer": 0}
+        self.stats.update(late_checked=0, late_written=0, late_after_barrier=0)
+        self.watched: list[tuple[np.ndarray, np.ndarray]] = []  # dst ranges of READs released unfinished
         self.errors: list[str] = []
 
     def connect(self, gen: int) -> None:
@@ -150,13 +162,12 @@ class Decode:
         self.transport.register(self.dst_mem, "DRAM")
 
     def barrier(self) -> str:
-        """A one-descriptor READ from the peer, waited for: its GET reply leaves the prefill after every reply
-        queued before it on the same lane, so once it is DONE the prefill's pending queue towards us is empty."""
-        d = worker_descriptors(self.plan, RANK, self.dst_mem, {RANK: self.src_mem}, [0], [0])[RANK]
-        d = type(d)(d.src_addr[:1], d.dst_addr[:1], np.minimum(d.length[:1], 64), d.src_region[:1], d.dst_region[:1])
+        """A flush READ (NixlTransport.post_flush: 64 bytes, no notification) from the peer, waited for: its GET
+        reply leaves the prefill after every reply queued before it on the same lane, so once it is DONE the
+        prefill's pending queue towards us is empty."""
         t0 = time.monotonic()
         try:
-            t = self.transport.read(self.peer, d, self.dst_mem, self.src_mem, b"barrier")
+            t = self.transport.post_flush(self.peer, self.src_mem.regions[0])  # what runtime/nixl_reads.py posts
             backoff = Backoff()
             while not self.transport.poll(t):
                 if time.monotonic() - t0 > self.args.barrier_s:
@@ -165,10 +176,22 @@ class Decode:
                     return "timeout"
                 backoff.sleep()
             self.release(t)
+            self.stats.setdefault("barrier_waits_s", []).append(round(time.monotonic() - t0, 3))
+            self.check_late("barrier")  # the flush READ is done: every earlier answer has landed
             return "done"
         except KVBridgeError as exc:
             self.errors.append(f"barrier: {exc}")
             return "error"
+
+    def linger(self, seconds: float) -> None:
+        """Keep the endpoint open (polling, progressing UCX) for `seconds` before a drop or close: the other
+        candidate workaround (time for the prefill to send what it still has queued towards us)."""
+        end = time.monotonic() + seconds
+        backoff = Backoff()
+        while time.monotonic() < end:
+            if self.poll():
+                backoff.reset()
+            backoff.sleep()
 
     def drop(self, barrier: bool = True) -> None:
         if self.peer is not None:
@@ -185,10 +208,12 @@ class Decode:
     def post(self, gen: int) -> dict:
         if self.peer is None or gen != self.gen:
             self.connect(gen)
+        self.check_late("post")
         nbytes = ndesc = 0
+        dst_perm = self.rng.permutation(self.args.blocks)  # disjoint destinations: a late write is never another's
         for i in range(self.args.reads):
             n = self.args.request_blocks
-            sb, db = self.rng.permutation(self.args.blocks)[:n], self.rng.permutation(self.args.blocks)[:n]
+            sb, db = self.rng.permutation(self.args.blocks)[:n], dst_perm[i * n : (i + 1) * n]
             d = worker_descriptors(self.plan, RANK, self.dst_mem, {RANK: self.src_mem}, sb, db)[RANK]
             try:
                 t = self.transport.read(self.peer, d, self.dst_mem, self.src_mem, f"cut:{time.time()}:{i}".encode())
@@ -201,7 +226,7 @@ class Decode:
                 if any(w in str(exc).lower() for w in PEER_WORDS):
                     self.drop()
                 continue
-            self.active.append({"t": t, "posted": time.monotonic(), "timed_out": False})
+            self.active.append({"t": t, "posted": time.monotonic(), "timed_out": False, "d": d})
             nbytes += d.nbytes
             ndesc += len(d)
         return {"posted": len(self.active), "bytes": nbytes, "descriptors": ndesc}
@@ -213,6 +238,25 @@ class Decode:
         except KVBridgeError:
             self.stats["release_refused"] += 1
             return False
+
+    def watch(self, d) -> None:
+        """A READ released unfinished: fill its destination with a sentinel; a byte that changes later was written
+        by the READ after its release (UCX does not cancel a GET: NIXL's release only frees the request)."""
+        offsets = d.dst_addr.astype(np.int64) - self.dst.ctypes.data
+        lengths = d.length.astype(np.int64)
+        for o, n in zip(offsets, lengths, strict=True):
+            self.dst[o : o + n] = 0xEE
+        self.watched.append((offsets, lengths))
+
+    def check_late(self, when: str) -> None:
+        """Count the released READs whose destination changed since (`when`: "post" or "barrier")."""
+        for offsets, lengths in self.watched:
+            self.stats["late_checked"] += 1
+            if any((self.dst[o : o + n] != 0xEE).any() for o, n in zip(offsets, lengths, strict=True)):
+                self.stats["late_written"] += 1
+                if when == "barrier":
+                    self.stats["late_after_barrier"] += 1
+        self.watched = []
 
     def release_all(self) -> dict:
         """pre-cut: cancel every handle now (the link is still up)."""
@@ -249,6 +293,8 @@ class Decode:
                 self.stats["timeout_released"] += 1
                 if not self.release(t):
                     self.unreleased.append(t)
+                else:
+                    self.watch(a["d"])
                 if self.args.drop == "timeout":
                     self.drop()
                 progressed = True
@@ -296,9 +342,11 @@ def decode_main(args) -> None:
         elif cmd["op"] == "release":
             say(json.dumps({"op": "release", **side.release_all()}))
         elif cmd["op"] == "drop":
+            side.linger(cmd.get("linger", 0.0))
             side.drop(cmd.get("barrier", True))
             say(json.dumps({"op": "drop"}))
         elif cmd["op"] == "reopen":
+            side.linger(cmd.get("linger", 0.0))
             side.reopen(cmd.get("barrier", True))
             say(json.dumps({"op": "reopen"}))
         elif cmd["op"] == "settle":
@@ -469,6 +517,14 @@ def run(args, argv: list[str]) -> int:
                     print(f"budget of {args.budget_s} s spent after {i} cuts", flush=True)
                     break
                 check(i, restored_at)
+                if args.restart_each and i > 0 and procs["prefill"].alive():  # every cut on a fresh prefill
+                    Path(work, f"stop-{gen}").touch()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        procs["prefill"].p.wait(30)
+                    if procs["prefill"].p.returncode == 0:  # a clean stop is no crash (runs before 21:40 counted it)
+                        procs["prefill"].stop()
+                        start_prefill()
+                    check(i, restored_at)  # an exit by a signal here is a crash, counted on this cut
                 dec = procs["decode"]
                 timeout_s = rng.uniform(*args.timeout_s)
                 down_s = rng.uniform(*args.down_s)
@@ -500,10 +556,12 @@ def run(args, argv: list[str]) -> int:
                 restored_at = time.monotonic()
                 dec.send(op="settle", s=args.settle_s)
                 settled = dec.recv(args.settle_s + 10, "settle")
+                treated = args.alternate == "off" or i % 2 == 1
                 if args.drop in ("settle", "close"):
-                    barrier = args.barrier_s > 0 and (args.alternate == "off" or i % 2 == 1)
-                    dec.send(op="drop" if args.drop == "settle" else "reopen", barrier=barrier)
-                    dec.recv(60, "drop" if args.drop == "settle" else "reopen")
+                    barrier = args.barrier_s > 0 and treated
+                    linger = args.linger_s if treated else 0.0
+                    dec.send(op="drop" if args.drop == "settle" else "reopen", barrier=barrier, linger=linger)
+                    dec.recv(60 + linger, "drop" if args.drop == "settle" else "reopen")
                     time.sleep(1.0)  # a crash at the close comes within milliseconds: counted on this cut
                     check(i, restored_at)
                 time.sleep(rng.uniform(0, args.after_s))
@@ -517,7 +575,9 @@ def run(args, argv: list[str]) -> int:
                     "settle_s": round(time.monotonic() - restored_at, 3),
                     "settled": settled,
                     "prefill_gen": gen,
-                    "barrier": args.barrier_s > 0 and (args.alternate == "off" or i % 2 == 1),
+                    "barrier": args.barrier_s > 0 and treated,
+                    "treated": treated,
+                    "linger_s": args.linger_s if treated else 0.0,
                 }
                 cuts.append(rec)
                 left = settled.get("left") if settled else "?"
@@ -563,6 +623,28 @@ def run(args, argv: list[str]) -> int:
         "cuts": len(cuts),
         "cuts_mid_read": len(mid_read),
         "crashes": len([c for c in crashes if c["role"] == "prefill" and c["phase"] == "cut"]),
+        "by_arm": {  # --alternate on: the treatment (barrier and/or linger) on odd cuts only
+            arm: {
+                "cuts": len([c for c in cuts if c["treated"] == flag]),
+                "prefill_crashes": len(
+                    [
+                        x
+                        for x in crashes
+                        if x["role"] == "prefill"
+                        and x["phase"] == "cut"
+                        and any(c["cut"] == x["cut"] and c["treated"] == flag for c in cuts)
+                    ]
+                ),
+                "decode_crashes": len(
+                    [
+                        x
+                        for x in crashes
+                        if x["role"] == "decode" and any(c["cut"] == x["cut"] and c["treated"] == flag for c in cuts)
+                    ]
+                ),
+            }
+            for arm, flag in (("treated", True), ("untreated", False))
+        },
         "by_barrier": {
             arm: {
                 "cuts": len([c for c in cuts if c["barrier"] == flag]),
@@ -614,6 +696,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--alternate", choices=["off", "on"], default="off", help="on: the barrier on odd cuts only (A/B in one run)"
+    )
+    p.add_argument(
+        "--linger-s", type=float, default=0.0, help="before a drop or close, keep polling the endpoint this long"
+    )
+    p.add_argument(
+        "--restart-each", action="store_true", help="a fresh prefill process for every cut (stopped cleanly first)"
     )
     p.add_argument("--cut", choices=["down", "netem"], default="down")
     p.add_argument("--rate", default="32mbit", help="tbf rate on the path to the decode host")

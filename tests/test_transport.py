@@ -17,7 +17,14 @@ from kvbridge.core.descriptors import Descriptors, worker_descriptors
 from kvbridge.core.errors import TransferError, TransferTimeout
 from kvbridge.core.memory import Region, WorkerMemory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
-from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig, apply_ucx_env, descriptor_arrays
+from kvbridge.transport.nixl import (
+    FLUSH_BYTES,
+    Backoff,
+    NixlTransport,
+    TransportConfig,
+    apply_ucx_env,
+    descriptor_arrays,
+)
 from nixl_peer import (  # tests/ is on sys.path under pytest's default (prepend) import mode
     DecodeSide,
     Scenario,
@@ -240,6 +247,42 @@ def test_two_agents_in_one_process_read_notify_and_close():
         d.remove_peer(name)
         assert d.peers == frozenset()
     assert not p.started and not d.started
+
+
+@pytest.mark.nixl
+@pytest.mark.timeout(60)
+def test_a_flush_read_completes_without_a_notification_or_a_byte_of_kv_memory():
+    """`post_flush` (read before closing an endpoint whose peer may still have answers queued): a 64-byte READ
+    into the reader's own scratch buffer, which completes, tells the peer nothing and writes no KV block."""
+    scn = Scenario("local", GEOM, ParallelLayout(), ParallelLayout(), request_blocks=5)
+    rank = WorkerRank(0, 0)
+    prefill = make_prefill(scn, rank, reference_kv(scn))
+    side = DecodeSide(scn, [rank])
+    decode = side.workers[rank]
+    before = side.mismatched_bytes(rank)
+    assert before > 0  # a READ into KV memory would change this
+    with prefill.transport as p, decode.transport as d:
+        p.register(prefill.memory)
+        d.register(decode.memory)
+        name = d.add_peer(p.agent_metadata())
+        backoff, deadline = Backoff(), time.monotonic() + 20
+        notes: dict[str, list[bytes]] = {}
+        for _ in range(2):  # the second one reuses the registered scratch buffer
+            flush = d.post_flush(name, prefill.memory.regions[0])
+            assert flush.nbytes == FLUSH_BYTES and flush.notification == b""
+            while not d.poll(flush):
+                notes.update(p.notifications())
+                assert time.monotonic() < deadline, "the flush READ never completed"
+                backoff.sleep()
+            d.release(flush)
+        for _ in range(20):  # a notification, had one been sent, would arrive within these polls
+            notes.update(p.notifications())
+            d.notifications()
+            time.sleep(0.01)
+        assert notes == {}
+        assert side.mismatched_bytes(rank) == before
+        with pytest.raises(TransferError, match="unknown"):
+            d.post_flush("nobody", prefill.memory.regions[0])
 
 
 @pytest.mark.nixl

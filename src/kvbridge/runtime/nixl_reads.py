@@ -43,7 +43,7 @@ from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.peers import Engine, PeerBook
 from kvbridge.runtime.prefill_worker import staging_copies, transport_config
 from kvbridge.runtime.staged_reads import StagedReads
-from kvbridge.transport.nixl import MemType, NixlTransport, PreparedLists
+from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, PreparedLists, Transfer
 from kvbridge.wire import messages as wire
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ SLOW_GPU_BYTES_PER_S = 2e9
 
 SLOW_CHECK_MIN_BYTES = 32 << 20
 """Loads smaller than this are too short to judge a transport's rate by."""
+
+CLOSE_FLUSH_S = 5.0
+"""At close, how long flush READs (see `NixlReads.forget`) are waited for before the agent goes anyway."""
 
 
 def block_bytes(memory: WorkerMemory) -> int:
@@ -155,6 +158,10 @@ class NixlReads:
         self._prepared: dict[str, PreparedLists | None] = {}
         self._judged: set[str] = set()  # engine ids whose transport has been judged (one log line each)
         self._emulated: set[str] = set()  # engine ids judged emulated (the staged path's cost model follows)
+        # Agents that may still have answers queued for us (a READ of theirs released unfinished), and those being
+        # flushed before their removal: agent -> (its flush READ, deadline). See `forget`.
+        self._unflushed: set[str] = set()
+        self._flushing: dict[str, tuple[Transfer, float]] = {}
         # The staged path (staging configured): parts of loads read in large chunks, then scattered.
         tensors = staging_copies(mem_type, regions, memory)
         staged = tensors is not None and config.nixl_staging_bytes > 0 and self.memory.num_groups == 1
@@ -170,6 +177,8 @@ class NixlReads:
     def close(self) -> None:
         if self.staged is not None:
             self.staged.close()
+        with self._lock:
+            self._flush_all(CLOSE_FLUSH_S)
         self.transport.close()
 
     @property
@@ -195,12 +204,55 @@ class NixlReads:
             return self.transport.add_peer(metadata)
 
     def forget(self, engine: Engine) -> None:
-        """Remove the agents of a reaped engine (nothing of it in flight)."""
+        """Remove the agents of a reaped engine (nothing of it in flight). An agent one of whose READs was released
+        unfinished (after a timeout or a link cut) may still have its answers queued in UCX: closing the endpoint
+        now can crash that prefill worker (UCX 1.23 over tcp, `NixlTransport.post_flush`), so it is removed only
+        once a flush READ from it is done, or after `transfer_timeout_s` (`poll` checks)."""
         with self._lock:
             for peer in engine.peers.values():
-                self._forget_agent(peer.agent)
+                if peer.agent in self._unflushed and peer.agent not in self._flushing:
+                    self._start_flush(peer.agent, peer.memory)
+                if peer.agent not in self._flushing:
+                    self._forget_agent(peer.agent)
+
+    def _start_flush(self, agent: str, memory: WorkerMemory) -> None:
+        self._unflushed.discard(agent)
+        try:
+            flush = self.transport.post_flush(agent, memory.regions[0], self.mem_type)
+        except KVBridgeError as exc:  # the endpoint has failed already: nothing left to protect
+            logger.debug("kvbridge decode %s: no flush READ from %s: %s", self.identity, agent, exc)
+            return
+        self._flushing[agent] = (flush, time.monotonic() + self.config.transfer_timeout_s)
+
+    def _finish_flushes(self) -> None:
+        """Remove the agents whose flush READ is done, failed or past its deadline."""
+        for agent, (flush, deadline) in list(self._flushing.items()):
+            try:
+                done = self.transport.poll(flush)
+            except KVBridgeError:
+                done = True
+            if done or time.monotonic() > deadline:
+                self._forget_agent(agent)
+
+    def _flush_all(self, timeout_s: float) -> None:
+        """Before the agent closes: flush every agent that may still have answers queued, for up to `timeout_s`."""
+        for peer in [p for e in self.peers.all_engines() for p in e.peers.values()]:
+            if peer.agent in self._unflushed and peer.agent not in self._flushing:
+                self._start_flush(peer.agent, peer.memory)
+        deadline = time.monotonic() + timeout_s
+        backoff = Backoff()
+        while self._flushing and time.monotonic() < deadline:
+            self._finish_flushes()
+            backoff.sleep()
+        for agent in list(self._flushing):
+            self._forget_agent(agent)
 
     def _forget_agent(self, name: str) -> None:
+        flushing = self._flushing.pop(name, None)
+        if flushing is not None:
+            with contextlib.suppress(KVBridgeError):
+                self.transport.release(flushing[0])
+        self._unflushed.discard(name)
         self._segments.pop(name, None)
         self._prepared.pop(name, None)
         with contextlib.suppress(KVBridgeError):
@@ -277,6 +329,7 @@ class NixlReads:
                 self._drain_and_fail(load, str(exc), broken=load.engine)
                 continue
             if done:
+                self._unflushed.difference_update(t.peer for t in load.transfers)  # answered after the old ones
                 self._judge_rate(load)
                 if self._release_all(load):
                     self.loaded(load)
@@ -299,6 +352,8 @@ class NixlReads:
             else:
                 draining.append(load)
         self._draining = draining
+        if self._flushing:
+            self._finish_flushes()
 
     def _release_all(self, load: Load) -> bool:
         ok = True
@@ -367,6 +422,7 @@ class NixlReads:
     def _drain_and_fail(self, load: Load, error: str, broken: Engine | None = None) -> None:
         """Fail `load` once nothing of it can still write: READs are released first (retried if NIXL refuses)."""
         load.error = error
+        self._unflushed.update(t.peer for t in load.transfers if not t.done)
         if broken is not None and _peer_broken(error):
             self.peers.drop(broken, error)
         if self._release_all(load):

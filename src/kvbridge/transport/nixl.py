@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 MemType = Literal["DRAM", "VRAM"]
 
+FLUSH_BYTES = 64
+"""What a flush READ (`NixlTransport.post_flush`) reads: a few bytes into a scratch buffer of the reader's own."""
+
 
 @dataclass(frozen=True)
 class TransportConfig:
@@ -206,6 +209,7 @@ class NixlTransport:
         self._transfers: set[Transfer] = set()
         self._prepared: dict[str, list[PreparedLists]] = {}
         self._inbox: dict[str, list[bytes]] = {}
+        self._scratch: np.ndarray | None = None  # the flush READs' destination, registered on first use
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -263,6 +267,7 @@ class NixlTransport:
                 logger.warning("closing %s: removing peer %s failed: %s", self.name, peer, exc)
         self._reg_dlists.clear()
         self._registered.clear()
+        self._scratch = None
         self._peers.clear()
         self._transfers.clear()
         self._inbox.clear()
@@ -410,6 +415,36 @@ class NixlTransport:
         if status == "DONE":
             transfer.state = "DONE"
         return transfer
+
+    def post_flush(self, peer: str, remote: Region, remote_mem_type: MemType = "DRAM") -> Transfer:
+        """Post a READ of `FLUSH_BYTES` from the start of `remote` (a region `peer` registered) into a scratch
+        buffer of ours, without a notification. UCX answers one reader's READs in order, so once it is done the
+        peer has nothing queued for us any more. Close an endpoint to a peer that may still have answers queued
+        for us (READs released unfinished, e.g. after a link cut) only after this: UCX 1.23 over tcp can crash
+        the peer (SIGSEGV in ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge -> ucp_request_memory_dereg)
+        when its endpoint fails with such answers still queued (bench/ucx_cut_stress.py)."""
+        agent = self._require()
+        if peer not in self._peers:
+            raise TransferError(f"peer {peer!r} is unknown to {self.name!r} (call add_peer first)")
+        if self._scratch is None:
+            scratch = np.zeros(FLUSH_BYTES, dtype=np.uint8)
+            rows = np.array([(scratch.ctypes.data, scratch.nbytes, 0)], dtype=np.uint64)
+            try:
+                self._reg_dlists.append(agent.register_memory(rows, "DRAM"))
+            except Exception as exc:
+                raise _nixl_error("registering the flush READs' scratch buffer", exc) from exc
+            self._scratch = scratch
+        n = min(FLUSH_BYTES, remote.nbytes)
+        local_arr = np.array([(self._scratch.ctypes.data, n, 0)], dtype=np.uint64)
+        remote_arr = np.array([(remote.addr, n, remote.device_id)], dtype=np.uint64)
+        transfer = Transfer(peer, n, 1, b"", time.monotonic())
+        try:
+            xfer = agent.initialize_xfer(
+                "READ", agent.get_xfer_descs(local_arr, "DRAM"), agent.get_xfer_descs(remote_arr, remote_mem_type), peer
+            )
+        except Exception as exc:
+            raise _nixl_error(f"creating a flush READ from {peer!r}", exc) from exc
+        return self._post(transfer, xfer)
 
     # -- prepared descriptor lists ------------------------------------------------------------------
 

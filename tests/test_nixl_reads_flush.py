@@ -1,0 +1,151 @@
+"""An agent with a READ released unfinished is removed only after a flush READ from it is done (issue 18).
+
+A unit test of ordering in `runtime.nixl_reads.NixlReads`, with the recording fake of test_nixl_reads_drain. Why:
+UCX 1.23 over tcp can crash a prefill worker (SIGSEGV in ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge)
+when the decode closes the endpoint while the prefill still has answers to released READs queued, e.g. after a
+link cut (bench/ucx_cut_stress.py). The oracle: no `remove_peer` of such an agent, and no close of the transport,
+before a flush READ from it was posted and done (or its deadline passed). A variant that removes at once (the
+code before) is caught.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from kvbridge.core.config import BridgeConfig
+from kvbridge.runtime.nixl_reads import NixlReads
+from kvbridge.transport.nixl import Transfer
+from test_nixl_reads_drain import RANKS, FakeTransport, make_load, make_reads, note
+
+AGENT = "prefill-tp0"
+
+
+class FlushFake(FakeTransport):
+    """FakeTransport plus what removing and flushing an agent calls: events ("flush", i), ("removed", agent),
+    ("closed", 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peers = {AGENT}
+        self.flushed_at: dict[int, int] = {}  # flush READ -> the event count when its DMA ended
+
+    def post_flush(self, agent, region, mem_type="DRAM") -> Transfer:
+        i = len(self.transfers)
+        transfer = Transfer(agent, 64, 1, b"", time.monotonic())
+        self.transfers.append(transfer)
+        self.events.append(("flush", i))
+        self.held.add(i)
+        return transfer
+
+    def remove_peer(self, agent) -> None:
+        self.peers.discard(agent)
+        self.events.append(("removed", agent))
+
+    def close(self) -> None:
+        self.events.append(("closed", 0))
+
+
+def cut_load(cls: type[NixlReads] = NixlReads, timeout_s: float = 60.0):
+    """A load whose one READ times out while the link is cut (its DMA ends later, as UCX's GET does once the
+    link is back), then is released; returns (fake, reads, engine)."""
+    fake, reports = FlushFake(), []
+    reads = make_reads(fake, reports, cls)
+    reads.config = BridgeConfig(transfer_timeout_s=timeout_s)
+    load = make_load(reads, ranks=RANKS[:1], timeout_s=0.0)
+    reads.peers = SimpleNamespace(drop=lambda engine, error: None, all_engines=lambda: [load.engine])
+    reads.post(load, note())
+    reads.poll()  # past its deadline: failed, its release refused while the DMA runs
+    fake.dma_done.add(0)
+    reads.poll()
+    assert [kind for kind, _ in reports] == ["failed"], (fake.events, reports)
+    return fake, reads, load.engine
+
+
+def removed_before_flushed(fake: FlushFake) -> list[str]:
+    """What the oracle finds wrong: the agent removed (or the transport closed) before a flush READ from it was
+    done, that is before the test ended that flush's DMA."""
+    found = []
+    for at, (kind, what) in enumerate(fake.events):
+        if kind not in ("removed", "closed"):
+            continue
+        flushes = [i for k, i in fake.events[:at] if k == "flush"]
+        if not flushes:
+            found.append(f"{kind} {what} with no flush READ before it (events {fake.events})")
+        elif not any(i in fake.flushed_at and fake.flushed_at[i] <= at for i in flushes):
+            found.append(f"{kind} {what} while its flush READ was still in flight (events {fake.events})")
+    return found
+
+
+def end_flushes(fake: FlushFake) -> None:
+    """The flush READs' DMA ends now (recorded against the event count, for the oracle)."""
+    for kind, i in fake.events:
+        if kind == "flush" and i not in fake.dma_done:
+            fake.dma_done.add(i)
+            fake.flushed_at[i] = len(fake.events)
+
+
+def test_a_reaped_agent_with_a_released_read_is_removed_once_its_flush_read_is_done():
+    fake, reads, engine = cut_load()
+    reads.forget(engine)
+    assert ("flush", 1) in fake.events and ("removed", AGENT) not in fake.events
+    for _ in range(3):
+        reads.poll()
+    assert ("removed", AGENT) not in fake.events, "removed while the flush READ was in flight"
+    end_flushes(fake)
+    reads.poll()
+    assert fake.events[-1] == ("removed", AGENT) and ("released", 1) in fake.events
+    assert removed_before_flushed(fake) == []
+
+
+def test_a_flush_read_that_never_completes_delays_the_removal_only_until_its_deadline():
+    fake, reads, engine = cut_load(timeout_s=0.05)
+    reads.forget(engine)
+    reads.poll()
+    assert ("removed", AGENT) not in fake.events
+    time.sleep(0.1)
+    reads.poll()
+    assert ("removed", AGENT) in fake.events  # a peer gone for good is not kept forever
+
+
+def test_at_close_an_agent_with_a_released_read_is_flushed_first():
+    fake, reads, _ = cut_load()
+    real_poll = fake.poll
+
+    def poll(transfer):  # the flush's DMA ends after a few polls, as over a link that just came back
+        if transfer is fake.transfers[-1] and len([e for e in fake.events if e[0] == "polled"]) >= 3:
+            end_flushes(fake)
+        fake.events.append(("polled", 0))
+        return real_poll(transfer)
+
+    fake.poll = poll
+    reads.close()
+    assert ("flush", 1) in fake.events and fake.events[-1] == ("closed", 0)
+    assert removed_before_flushed(fake) == []
+
+
+def test_an_agent_whose_reads_all_completed_is_removed_at_once():
+    fake, reports = FlushFake(), []
+    reads = make_reads(fake, reports)
+    load = make_load(reads, ranks=RANKS[:1])
+    fake.dma_done.add(0)
+    reads.post(load, note())
+    reads.poll()
+    assert [kind for kind, _ in reports] == ["loaded"]
+    reads.forget(load.engine)
+    assert fake.events[-1] == ("removed", AGENT) and not any(k == "flush" for k, _ in fake.events)
+
+
+class RemovesAtOnce(NixlReads):
+    """The code before: a reaped engine's agents are removed at once."""
+
+    def forget(self, engine):
+        with self._lock:
+            for peer in engine.peers.values():
+                self._forget_agent(peer.agent)
+
+
+def test_the_oracle_notices_an_agent_removed_while_its_answers_may_be_queued():
+    fake, reads, engine = cut_load(RemovesAtOnce)
+    reads.forget(engine)
+    assert removed_before_flushed(fake), fake.events
