@@ -285,7 +285,7 @@ def test_the_claim_window_is_how_long_a_not_held_request_is_retried(window_s):
     decode.start()
     source = params_of("p", prefill.port, "never-held")
     try:
-        decode.load(LoadJob("d-1", source, (2,), (1,)))
+        decode.load(LoadJob("d-1", source, ((2,),), ((1,),)))
         t0 = time.monotonic()
         failed: set[str] = set()
         while "d-1" not in failed and time.monotonic() < t0 + 15:

@@ -201,7 +201,7 @@ class Pair:
             remote_prompt_hash="h",
         )
         t0 = time.monotonic()
-        self.decode.load(LoadJob(f"d-{request_id}", source, tuple(dst), tuple(src)))
+        self.decode.load(LoadJob(f"d-{request_id}", source, (tuple(dst),), (tuple(src),)))
         while time.monotonic() < t0 + 30:
             done, failed, _ = self.decode.results()
             assert f"d-{request_id}" not in failed, f"{request_id} failed"

@@ -39,6 +39,8 @@ class LoadJob:
     def __post_init__(self) -> None:
         """Only the shape the scheduler side builds (lists of unequal length, which params may bring, fail the load
         when its descriptors are made, as any bad block ids do)."""
+        if not all(isinstance(group, tuple) for group in (*self.local_blocks, *self.remote_blocks)):
+            raise TypeError("LoadJob block lists hold one tuple of block ids per KV-cache group")
         if len(self.local_blocks) != len(self.remote_blocks):
             raise ValueError(
                 f"{len(self.local_blocks)} local and {len(self.remote_blocks)} remote KV-cache groups in one job"
