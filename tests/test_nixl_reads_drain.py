@@ -45,6 +45,7 @@ class FakeTransport:
         self.refuse_release: dict[int, int] = {}  # READ -> how many more releases NIXL refuses
         self.fail_post: dict[int, bool] = {}  # READ -> fails to post (True: and NIXL keeps its request)
         self.held: set[int] = set()  # READs NIXL took: posted, or failed to post and kept
+        self.peers: set[str] = set()  # no agent loaded: a failed load is not fenced (test_nixl_reads_flush is)
 
     def read(self, agent, descriptors, local, remote, notification) -> Transfer:
         i = len(self.transfers)

@@ -100,3 +100,4 @@ class Load:
     event: Any = None
     start_event: Any = None
     error: str = ""  # set once it failed; it is reported when nothing can still write its blocks
+    unfinished: frozenset[str] = frozenset()  # NIXL agents whose READs of it were still running when it failed

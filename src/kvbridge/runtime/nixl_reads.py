@@ -162,6 +162,7 @@ class NixlReads:
         # flushed before their removal: agent -> (its flush READ, deadline). See `forget`.
         self._unflushed: set[str] = set()
         self._flushing: dict[str, tuple[Transfer, float]] = {}
+        self._fences: list[Fence] = []  # failed loads waiting until nothing can still write their blocks
         # The staged path (staging configured): parts of loads read in large chunks, then scattered.
         tensors = staging_copies(mem_type, regions, memory)
         staged = tensors is not None and config.nixl_staging_bytes > 0 and self.memory.num_groups == 1
@@ -184,7 +185,7 @@ class NixlReads:
     @property
     def busy(self) -> bool:
         """Whether READs are posted or waiting for their release (read without the lock: a hint)."""
-        return bool(self._active or self._draining)
+        return bool(self._active or self._draining or self._fences)
 
     def holds(self, load: Load) -> bool:
         """Whether `load`'s READs are posted and being polled."""
@@ -352,6 +353,8 @@ class NixlReads:
             else:
                 draining.append(load)
         self._draining = draining
+        if self._fences:
+            self._check_fences()
         if self._flushing:
             self._finish_flushes()
 
@@ -422,7 +425,8 @@ class NixlReads:
     def _drain_and_fail(self, load: Load, error: str, broken: Engine | None = None) -> None:
         """Fail `load` once nothing of it can still write: READs are released first (retried if NIXL refuses)."""
         load.error = error
-        self._unflushed.update(t.peer for t in load.transfers if not t.done)
+        load.unfinished = frozenset(t.peer for t in load.transfers if not t.done)
+        self._unflushed.update(load.unfinished)
         if broken is not None and _peer_broken(error):
             self.peers.drop(broken, error)
         if self._release_all(load):
@@ -432,11 +436,70 @@ class NixlReads:
             self._draining.append(load)
 
     def _settle(self, load: Load) -> None:
-        """A load whose READs are all released: report it (failed if it has an error, else done)."""
-        if load.error:
+        """A load whose READs are all released: report it (failed if it has an error, else done). A failed load
+        whose READs were still running is fenced first (`_fence`)."""
+        if load.error and load.unfinished:
+            self._fence(load)
+        elif load.error:
             self.failed(load, load.error)
         else:
             self.loaded(load)
+
+    # -- fencing the late writes of released READs ------------------------------------------------
+
+    def _fence(self, load: Load) -> None:
+        """Report a failed load only once nothing can still write its blocks. NIXL's release of a READ that was
+        still running does not stop UCX: over tcp its data lands when the link comes back (bench/ucx_cut_stress.py
+        saw 155 of 440 READs released unfinished written after their release), and by then vLLM would have given
+        the blocks to another request. UCX answers one reader's READs from a peer in order, so a flush READ posted
+        now is done only after every earlier one has landed or been dropped; an endpoint that failed or was closed
+        delivers nothing more. So: one flush READ per agent that had READs running; the load is reported when each
+        is done or failed, or, past `transfer_timeout_s`, once those agents are removed (their endpoints closed)."""
+        flushes: dict[str, Transfer] = {}
+        regions = {p.agent: p.memory.regions[0] for p in (load.engine.peers.values() if load.engine else ())}
+        for agent in load.unfinished:
+            if agent not in self.transport.peers or agent not in regions:
+                continue  # removed: its endpoint is closed
+            try:
+                flushes[agent] = self.transport.post_flush(agent, regions[agent], self.mem_type)
+            except KVBridgeError as exc:  # the endpoint has failed: it delivers nothing more
+                logger.debug("kvbridge decode %s: no flush READ from %s: %s", self.identity, agent, exc)
+        if flushes:
+            self._fences.append(Fence(load, flushes, time.monotonic() + self.config.transfer_timeout_s))
+        else:
+            self.failed(load, load.error)
+
+    def _check_fences(self) -> None:
+        still = []
+        for fence in self._fences:
+            for agent, flush in list(fence.flushes.items()):
+                try:
+                    done = agent not in self.transport.peers or self.transport.poll(flush)
+                except KVBridgeError:
+                    done = True
+                if done:
+                    del fence.flushes[agent]
+                    self._unflushed.discard(agent)
+                    with contextlib.suppress(KVBridgeError):
+                        self.transport.release(flush)
+            if fence.flushes and time.monotonic() > fence.deadline:
+                logger.warning(
+                    "kvbridge decode %s: no flush READ from %s done in %g s after a failed load: closing those "
+                    "endpoints before its blocks are given back",
+                    self.identity,
+                    ", ".join(sorted(fence.flushes)),
+                    self.config.transfer_timeout_s,
+                )
+                if fence.load.engine is not None:
+                    self.peers.drop(fence.load.engine, "a READ released unfinished could not be fenced")
+                for agent in list(fence.flushes):
+                    self._forget_agent(agent)
+                fence.flushes.clear()
+            if fence.flushes:
+                still.append(fence)
+            else:
+                self.failed(fence.load, fence.load.error)
+        self._fences = still
 
     def _descriptors(self, load: Load, engine: Engine) -> dict:
         """Per prefill worker read: coalesced Descriptors, or a PreparedRead where prepared lists pay off."""
@@ -553,6 +616,15 @@ class PreparedRead:
 
 
 PREPARED_LISTS_ENV = "KVBRIDGE_NIXL_PREPARED_LISTS"
+
+
+@dataclasses.dataclass
+class Fence:
+    """A failed load whose blocks are held until a flush READ from each agent that was still writing is done."""
+
+    load: Load
+    flushes: dict[str, Transfer]
+    deadline: float
 
 
 def prepared_lists(config: BridgeConfig) -> bool:
