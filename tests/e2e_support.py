@@ -103,9 +103,10 @@ def delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
 
-def prefill_params(prefill: VllmServer, prompt: list[int], timeout: float = 120) -> dict:
-    """The prefill leg: the prompt prefilled for a remote decode; returns its kv_transfer_params."""
-    first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
+def prefill_params(prefill: VllmServer, prompt: list[int], timeout: float = 120, **fields: Any) -> dict:
+    """The prefill leg: the prompt prefilled for a remote decode; returns its kv_transfer_params. `fields` go to
+    the request body (a `cache_salt` binds the params: the decode leg must carry the same one)."""
+    first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout, **fields)
     params = first["kv_transfer_params"]
     assert params and params["do_remote_prefill"] is True, first
     return params
@@ -130,9 +131,9 @@ def disaggregated(
     **fields: Any,
 ) -> Leg:
     """Prefill on one server, decode (streaming) on the other; `edit` changes the params in between; `fields` go
-    to the decode leg's request body (e.g. `cache_salt`)."""
+    to both legs' request bodies (e.g. `cache_salt`, which kvbridge binds the params to)."""
     t0 = time.monotonic()
-    params = prefill_params(prefill, prompt)
+    params = prefill_params(prefill, prompt, **fields)
     prefill_s = time.monotonic() - t0
     if edit is not None:
         params = edit(params)

@@ -9,7 +9,8 @@ layers only their in-window blocks.
 
 The four `kv_both` servers of `e2e_support.FOUR` (pp2, pp1a, tp2, pp1b; a pair's two on different cores) are
 started once for the module; pp1b with prefix caching on (the others off). Every request carries a `cache_salt`
-naming its check, so that no check hits blocks another one left in pp1b's prefix cache unless it means to.
+naming its check (both legs of a disaggregated one: kvbridge binds its params to the salt), so that no check hits
+blocks another one left in pp1b's prefix cache unless it means to.
 
 Each pair checks that the decode server's greedy output equals its own aggregated output, that it counts every
 prompt token as transferred (`external_kv_transfer`) and none as computed, and that it moved exactly the in-window
@@ -187,7 +188,7 @@ def test_hma_prompts_at_window_and_block_boundaries(servers, prefill_name, decod
     before = metrics(d.url)
     results = []
     for prompt in batch:
-        params = prefill_params(p, prompt)
+        params = prefill_params(p, prompt, cache_salt=salt)
         check_published(params, prompt)
         results.append(decode(d, prompt, params, salt))
     after = metrics(d.url)
@@ -225,7 +226,7 @@ def test_hma_negative_control_sliding_blocks_in_the_wrong_order_change_the_outpu
     holds its tokens at the wrong positions."""
     p, d = servers["pp2"], servers["pp1a"]
     prompt, want = batch[0], aggregated["pp1a"][0]
-    params = prefill_params(p, prompt)
+    params = prefill_params(p, prompt, cache_salt="rotated")
     sliding, full = params["remote_group_block_ids"]
     params["remote_group_block_ids"] = [sliding[1:] + sliding[:1], full]
     before = metrics(d.url)
@@ -238,7 +239,7 @@ def test_hma_params_missing_an_in_window_block_are_refused(servers, batch):
     """A sliding group's list that lacks a block the decode's window needs is refused before any read."""
     p, d = servers["pp1a"], servers["pp1b"]
     prompt = batch[1]
-    params = prefill_params(p, prompt)
+    params = prefill_params(p, prompt, cache_salt="missing")
     sliding, full = params["remote_group_block_ids"]
     params["remote_group_block_ids"] = [sliding[1:], full]
     before = metrics(d.url)
