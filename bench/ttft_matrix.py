@@ -1,7 +1,8 @@
 """One markdown table of families x pairs from the e2e modules' TTFT files (`KVBRIDGE_TTFT_OUT`, see
 tests/e2e_support.write_ttft_report): per pair the PD TTFT median (prefill leg + decode leg to its first token)
-and the aggregated median (the decode server answering the same prompts on its own), with each file's command,
-host and commit below the table.
+and the aggregated median (the decode server answering the same prompts on its own, after the PD legs), and both
+for the pair's last prompt (the first prompt of a pair can pay one-off costs), with each file's command, host and
+commit below the table.
 
     python bench/ttft_matrix.py bench/results/ttft-*-20261201-*.json > bench/results/ttft-matrix.md
 """
@@ -44,8 +45,8 @@ def table(reports: list[tuple[Path, dict]]) -> str:
     reports = sorted(reports, key=lambda r: ORDER.index(r[1]["family"]) if r[1]["family"] in ORDER else 99)
     lines = [
         "| family | prefill → decode | servers | prompts (tokens) | token-identical | PD TTFT median (ms) |"
-        " aggregated TTFT median (ms) | PD / aggregated | file |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " aggregated TTFT median (ms) | PD / aggregated | last prompt: PD / aggregated (ms) | file |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path, report in reports:
         prompts = report.get("prompt_tokens", [])
@@ -53,14 +54,12 @@ def table(reports: list[tuple[Path, dict]]) -> str:
             pair = f"{short(row['prefill'])}→{short(row['decode'])}"
             if "blocks" in row:
                 pair += f" (block {row['blocks']})"
-            pd, agg = row["median_ttft_ms"], row.get("median_aggregated_ttft_ms")
-            ratio = f"{pd / agg:.1f}x" if agg else "-"
+            pd, agg = row["median_ttft_ms"], row["median_aggregated_ttft_ms"]
+            last = f"{row['ttft_ms'][-1]:.0f} / {row['aggregated_ttft_ms'][-1]:.0f}"
             lines.append(
                 f"| {NAMES.get(report['family'], report['family'])} | {pair} | {row.get('servers', '')} |"
-                f" {', '.join(map(str, prompts))} | {equal(row, len(prompts))} | {pd:.0f} |"
-                f" {agg:.0f} | {ratio} | `{path.name}` |"
-                if agg
-                else f"| {report['family']} | {pair} | | | | {pd:.0f} | - | - | `{path.name}` |"
+                f" {', '.join(map(str, prompts))} | {equal(row, len(prompts))} | {pd:.0f} | {agg:.0f} |"
+                f" {pd / agg:.1f}x | {last} | `{path.name}` |"
             )
     lines.append("")
     for path, report in reports:
