@@ -69,8 +69,8 @@ PAIRS = [
     ("tp2", "pp1b"),  # tp2 -> tp1
     ("pp2", "pp1a"),  # pp2 -> pp1
 ]
-# Longer than the window: the sliding group holds 3 of 10 and 3 of 15 blocks. Not a length whose window starts at
-# a block's first token ((n - WINDOW + 1) % BLOCK == 0): there vLLM's decode-side manager frees that block too.
+# Longer than the window: the sliding group holds 3 of 10 and 3 of 15 blocks. Lengths whose window starts at a
+# block's first token ((n - WINDOW + 1) % BLOCK == 0: 95, 127) are among BOUNDARY_LENGTHS.
 PROMPT_LENGTHS = (300, 457)
 # At and around the window and block boundaries, on two pairs: 95 and 127 are such lengths (window 64, block 32).
 BOUNDARY_LENGTHS = (63, 64, 65, 95, 96, 97, 127, 128)
