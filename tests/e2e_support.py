@@ -164,9 +164,9 @@ def ttft_row(
         "decode": f"pp={decode.pp},tp={decode.tp}",
         "servers": f"{prefill.name} -> {decode.name}",
         "ttft_ms": pd,
-        "median_ttft_ms": statistics.median(pd),
+        "median_ttft_ms": round(statistics.median(pd), 1),
         "aggregated_ttft_ms": agg,
-        "median_aggregated_ttft_ms": statistics.median(agg),
+        "median_aggregated_ttft_ms": round(statistics.median(agg), 1),
         **extra,
     }
 
