@@ -15,6 +15,8 @@ import json
 import os
 import platform
 import random
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -101,9 +103,10 @@ def delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
 
-def prefill_params(prefill: VllmServer, prompt: list[int], timeout: float = 120) -> dict:
-    """The prefill leg: the prompt prefilled for a remote decode; returns its kv_transfer_params."""
-    first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
+def prefill_params(prefill: VllmServer, prompt: list[int], timeout: float = 120, **fields: Any) -> dict:
+    """The prefill leg: the prompt prefilled for a remote decode; returns its kv_transfer_params. `fields` go to
+    the request body (a `cache_salt` binds the params: the decode leg must carry the same one)."""
+    first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout, **fields)
     params = first["kv_transfer_params"]
     assert params and params["do_remote_prefill"] is True, first
     return params
@@ -125,28 +128,88 @@ def disaggregated(
     prompt: list[int],
     max_tokens: int = 8,
     edit: Callable[[dict], dict] | None = None,
+    **fields: Any,
 ) -> Leg:
-    """Prefill on one server, decode (streaming) on the other; `edit` changes the params in between."""
+    """Prefill on one server, decode (streaming) on the other; `edit` changes the params in between; `fields` go
+    to both legs' request bodies (e.g. `cache_salt`, which kvbridge binds the params to)."""
     t0 = time.monotonic()
-    params = prefill_params(prefill, prompt)
+    params = prefill_params(prefill, prompt, **fields)
     prefill_s = time.monotonic() - t0
     if edit is not None:
         params = edit(params)
-    tokens, first_s = complete_streaming(decode.url, prompt, max_tokens, kv_transfer_params=params, timeout=120)
+    tokens, first_s = complete_streaming(
+        decode.url, prompt, max_tokens, kv_transfer_params=params, timeout=120, **fields
+    )
     return Leg(tokens, params, prefill_s + first_s)
 
 
+def aggregated_leg(
+    server: VllmServer, prompt: list[int], max_tokens: int = 8, **fields: Any
+) -> tuple[list[int], float]:
+    """The server answering the prompt on its own (no connector in the request), streaming: (its greedy tokens,
+    seconds to its first token)."""
+    return complete_streaming(server.url, prompt, max_tokens, timeout=120, **fields)
+
+
+def ttft_row(
+    prefill: VllmServer, decode: VllmServer, pd_s: list[float], aggregated_s: list[float], **extra: Any
+) -> dict[str, Any]:
+    """One pair's row for `write_ttft_report`, in ms per prompt and the medians: PD TTFT (prefill leg + decode leg
+    to its first token) and the aggregated TTFT (the decode server answering the same prompt on its own, measured
+    after the PD legs, so both are warm)."""
+    pd = [round(x * 1000, 1) for x in pd_s]
+    agg = [round(x * 1000, 1) for x in aggregated_s]
+    return {
+        "prefill": f"pp={prefill.pp},tp={prefill.tp}",
+        "decode": f"pp={decode.pp},tp={decode.tp}",
+        "servers": f"{prefill.name} -> {decode.name}",
+        "ttft_ms": pd,
+        "median_ttft_ms": round(statistics.median(pd), 1),
+        "aggregated_ttft_ms": agg,
+        "median_aggregated_ttft_ms": round(statistics.median(agg), 1),
+        **extra,
+    }
+
+
 def write_ttft_report(rows: list[dict], **meta: Any) -> None:
-    """With KVBRIDGE_TTFT_OUT=path, the pairs' TTFT rows are written there as JSON with the command and host."""
+    """With KVBRIDGE_TTFT_OUT=path, the pairs' TTFT rows are written there as JSON with the command, host and
+    commit; where path is a directory, to `ttft-<family>-<UTC stamp>.json` in it (`meta` must name the family).
+    `bench/ttft_matrix.py` makes one table of such files."""
     path = os.environ.get("KVBRIDGE_TTFT_OUT")
     if not path or not rows:
         return
+    target = Path(path)
+    if target.is_dir():
+        target = target / f"ttft-{meta['family']}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
     report = {
         "command": f"KVBRIDGE_TTFT_OUT={path} " + " ".join(["python", "-m", "pytest", *sys.argv[1:]]),
-        "host": f"{platform.machine()}, {os.cpu_count()} cores",
+        "host": f"{platform.machine()}, {os.cpu_count()} cores, {_cpu_model()}",
+        "commit": _commit(),
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **meta,
         "pairs": rows,
     }
-    with open(path, "w") as f:
+    with open(target, "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), "cpu unknown")
+    except OSError:
+        return "cpu unknown"
+
+
+def _commit() -> str:
+    """The tree's commit, "+dirty" with uncommitted changes (where git runs; "unknown" elsewhere)."""
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")

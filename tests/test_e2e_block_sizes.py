@@ -7,6 +7,8 @@ vec16 cache writer.) kvbridge maps token ranges,
 not block ids (`core.token_runs`): each prompt token is copied from its prefill block and offset to its decode
 block and offset, where CPU_ATTN's pages keep it (K channel-major, V token-major).
 
+With KVBRIDGE_TTFT_OUT=path (a file or a directory) each direction's PD and aggregated TTFT are written there.
+
 Each direction checks that the decode server's greedy output equals its own aggregated output and that it counts
 every prompt token as transferred (`external_kv_transfer`), none computed, and that exactly the prompt's tokens
 moved (`vllm:kvbridge_bytes_total`). Prompts of 150 and 300 tokens end inside a block on both sides. Negative
@@ -24,7 +26,19 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_support import SOURCE, UNCHECKED, Place, delta, layout_servers, prefill_params, prompts
+from e2e_support import (
+    SOURCE,
+    UNCHECKED,
+    Place,
+    aggregated_leg,
+    delta,
+    disaggregated,
+    layout_servers,
+    prefill_params,
+    prompts,
+    ttft_row,
+    write_ttft_report,
+)
 from kvbridge.serving.launcher import complete, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_model
 
@@ -61,6 +75,19 @@ def aggregated(servers, batch):
     }
 
 
+@pytest.fixture(scope="module")
+def ttft_log():
+    rows: list[dict] = []
+    yield rows
+    write_ttft_report(
+        rows,
+        family="block-sizes",
+        model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32; small: block 32, pp=1; large: block 128, tp=2",
+        prompt_tokens=list(PROMPT_LENGTHS),
+        max_tokens=MAX_TOKENS,
+    )
+
+
 def decode(d, prompt: list[int], params: dict) -> list[int]:
     return complete(d.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)["choices"][0]["token_ids"]
 
@@ -73,22 +100,30 @@ def test_the_servers_name_cpu_attn_pages(servers):
 
 
 @pytest.mark.parametrize(("prefill_name", "decode_name"), [("small", "large"), ("large", "small")])
-def test_different_block_sizes_output_equals_aggregated(servers, batch, aggregated, prefill_name, decode_name):
+def test_different_block_sizes_output_equals_aggregated(
+    servers, batch, aggregated, ttft_log, prefill_name, decode_name
+):
     p, d = servers[prefill_name], servers[decode_name]
     before = metrics(d.url)
-    for prompt, want in zip(batch, aggregated[decode_name], strict=True):
-        params = prefill_params(p, prompt)
-        assert params["remote_block_size"] == BLOCK[prefill_name]
-        assert len(params["remote_block_ids"]) >= -(-len(prompt) // BLOCK[prefill_name])
-        tokens = decode(d, prompt, params)
-        assert tokens == want, f"{prefill_name} -> {decode_name} ({len(prompt)} tokens): {tokens} != {want}"
+    legs = [disaggregated(p, d, prompt, MAX_TOKENS) for prompt in batch]
     after = metrics(d.url)
+    for prompt, want, leg in zip(batch, aggregated[decode_name], legs, strict=True):
+        assert leg.params["remote_block_size"] == BLOCK[prefill_name]
+        assert len(leg.params["remote_block_ids"]) >= -(-len(prompt) // BLOCK[prefill_name])
+        assert leg.tokens == want, f"{prefill_name} -> {decode_name} ({len(prompt)} tokens): {leg.tokens} != {want}"
     moved = delta(before, after, SOURCE, source="external_kv_transfer")
     computed = delta(before, after, SOURCE, source="local_compute")
     assert moved == sum(map(len, batch)) and computed == 0, (moved, computed)
     # exactly the prompt's tokens, once per (layer, KV head): not the unused tails of the last blocks
     nbytes = delta(before, after, "vllm:kvbridge_bytes_total")
     assert nbytes == TOKEN_BYTES * sum(map(len, batch)), nbytes
+    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
+    row = ttft_row(p, d, [x.ttft_s for x in legs], alone, equal_to_aggregated=len(batch), kv_bytes=nbytes)
+    row["blocks"] = f"{BLOCK[prefill_name]} -> {BLOCK[decode_name]}"
+    print(
+        f"block sizes {prefill_name} -> {decode_name}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}"
+    )
+    ttft_log.append(row)
 
 
 def test_negative_control_a_wrong_token_to_block_mapping_changes_the_output(servers, batch, aggregated):

@@ -16,12 +16,11 @@ transferred (`external_kv_transfer`) and none as computed, and that it moved one
 wrong order change the output (the oracle can fail), and an e5m2 decode server is refused by an e4m3 prefill at
 the handshake, naming `dtype`, and prefills locally (`kv_load_failure_policy: recompute`).
 
-With KVBRIDGE_TTFT_OUT=path the pairs' TTFT (prefill leg + decode leg to its first token) is written there as JSON.
+With KVBRIDGE_TTFT_OUT=path (a file or a directory) the pairs' TTFT (prefill leg + decode leg to its first token)
+and the decode server's aggregated TTFT are written there as JSON.
 """
 
 from __future__ import annotations
-
-import statistics
 
 import pytest
 
@@ -30,10 +29,12 @@ from e2e_support import (
     SOURCE,
     UNCHECKED,
     Place,
+    aggregated_leg,
     delta,
     disaggregated,
     layout_servers,
     prompts,
+    ttft_row,
     write_ttft_report,
 )
 from kvbridge.serving.launcher import complete, metrics, running
@@ -103,6 +104,7 @@ def ttft_log():
     yield rows
     write_ttft_report(
         rows,
+        family="fp8",
         model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32 weights, --kv-cache-dtype fp8 (e4m3)",
         prompt_tokens=list(PROMPT_LENGTHS),
         max_tokens=MAX_TOKENS,
@@ -140,18 +142,10 @@ def test_fp8_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
     # FP8 pages moved as bytes, 1 per channel (a quarter of the float32 model's): each (layer, KV head, block) once
     moved_bytes = delta(before, after, "vllm:kvbridge_bytes_total")
     assert moved_bytes == sum(-(-len(prompt) // BLOCK) for prompt in batch) * PAGE_BYTES
-    ttft = [round(r[2] * 1000, 1) for r in results]
-    print(f"FP8 {prefill} -> {decode}: TTFT ms {ttft}")
-    ttft_log.append(
-        {
-            "prefill": SERVERS[prefill].layout,
-            "decode": SERVERS[decode].layout,
-            "equal_to_aggregated": True,
-            "ttft_ms": ttft,
-            "median_ttft_ms": statistics.median(ttft),
-            "kv_bytes": moved_bytes,
-        }
-    )
+    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
+    row = ttft_row(p, d, [r[2] for r in results], alone, equal_to_aggregated=len(batch), kv_bytes=moved_bytes)
+    print(f"FP8 {prefill} -> {decode}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
+    ttft_log.append(row)
 
 
 def test_fp8_negative_control_the_wrong_blocks_change_the_output(servers, batch, aggregated):

@@ -18,7 +18,9 @@ but the last is counted as transferred (`external_kv_transfer`) and one per prom
 control: the state of N tokens (a prefill of the prompt plus one token) loaded for the prompt, so that the decode
 applies the last token to it a second time, changes the output. pp2->tp2 and tp2->pp2 cannot run: kvbridge moves
 Mamba state only between equal TP sizes (a tp=2 server told its peers are tp=1 is refused at startup:
-tests/test_e2e_startup_refusals.py).
+tests/test_e2e_startup_refusals.py); tp2 -> tp2 is tests/test_e2e_mamba_tp.py.
+
+With KVBRIDGE_TTFT_OUT=path (a file or a directory) each pair's PD and aggregated TTFT are written there as JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import random
 
 import pytest
 
+from e2e_support import aggregated_leg, disaggregated, ttft_row, write_ttft_report
 from kvbridge.serving.launcher import (
     VllmServer,
     complete,
@@ -112,6 +115,19 @@ def aggregated(servers, batch):
     return out
 
 
+@pytest.fixture(scope="module")
+def ttft_log():
+    rows: list[dict] = []
+    yield rows
+    write_ttft_report(
+        rows,
+        family="mamba2",
+        model="tiny NemotronH (M*M*M*M*: 4 Mamba2 + 4 attention layers), float32, HMA on, prefix caching off",
+        prompt_tokens=list(PROMPT_LENGTHS),
+        max_tokens=MAX_TOKENS,
+    )
+
+
 def delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
@@ -141,20 +157,24 @@ def test_the_servers_run_a_state_group_beside_the_attention_group(servers):
 
 
 @pytest.mark.parametrize(("prefill_name", "decode_name"), PAIRS)
-def test_mamba_disaggregated_output_equals_aggregated(servers, batch, aggregated, prefill_name, decode_name):
+def test_mamba_disaggregated_output_equals_aggregated(servers, batch, aggregated, ttft_log, prefill_name, decode_name):
     p, d = servers[prefill_name], servers[decode_name]
     before = metrics(d.url)
-    for prompt, want in zip(batch, aggregated[decode_name], strict=True):
-        params = prefill(p, prompt)
-        state, attention = params["remote_group_block_ids"]
-        assert len(state) == 1 and len(attention) == -(-(len(prompt) - 1) // BLOCK), params
-        assert params["remote_num_tokens"] == len(prompt) - 1  # the prefill computed N-1 tokens
-        tokens = decode(d, prompt, params)
-        assert tokens == want, f"{prefill_name} -> {decode_name} ({len(prompt)} tokens): {tokens} != {want}"
+    legs = [disaggregated(p, d, prompt, MAX_TOKENS) for prompt in batch]
     after = metrics(d.url)
+    for prompt, want, leg in zip(batch, aggregated[decode_name], legs, strict=True):
+        state, attention = leg.params["remote_group_block_ids"]
+        assert len(state) == 1 and len(attention) == -(-(len(prompt) - 1) // BLOCK), leg.params
+        assert leg.params["remote_num_tokens"] == len(prompt) - 1  # the prefill computed N-1 tokens
+        assert leg.tokens == want, f"{prefill_name} -> {decode_name} ({len(prompt)} tokens): {leg.tokens} != {want}"
     assert delta(before, after, SOURCE, source="external_kv_transfer") == sum(len(x) - 1 for x in batch)
     assert delta(before, after, SOURCE, source="local_compute") == len(batch), "only each prompt's last token"
-    assert delta(before, after, "vllm:kvbridge_bytes_total") == sum(moved_bytes(len(x)) for x in batch)
+    moved = delta(before, after, "vllm:kvbridge_bytes_total")
+    assert moved == sum(moved_bytes(len(x)) for x in batch)
+    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
+    row = ttft_row(p, d, [x.ttft_s for x in legs], alone, equal_to_aggregated=len(batch), kv_bytes=moved)
+    print(f"Mamba2 {prefill_name} -> {decode_name}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
+    ttft_log.append(row)
 
 
 def test_mamba_negative_control_the_last_token_applied_twice_changes_the_output(servers, batch, aggregated):

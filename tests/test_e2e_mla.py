@@ -28,16 +28,26 @@ of the latent exactly once per decode worker (`vllm:kvbridge_bytes_total`: a lat
 ranks would double it). The negative control loads a prompt's blocks in the wrong order: the transfer is counted,
 and the output differs from the reference.
 
-With KVBRIDGE_TTFT_OUT=path the pairs' TTFT (prefill leg + decode leg to its first token) is written there as JSON.
+With KVBRIDGE_TTFT_OUT=path (a file or a directory) the pairs' TTFT (prefill leg + decode leg to its first token)
+and the decode server's aggregated TTFT are written there as JSON.
 """
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 
-from e2e_support import FOUR, SOURCE, UNCHECKED, delta, disaggregated, layout_servers, prompts, write_ttft_report
+from e2e_support import (
+    FOUR,
+    SOURCE,
+    UNCHECKED,
+    aggregated_leg,
+    delta,
+    disaggregated,
+    layout_servers,
+    prompts,
+    ttft_row,
+    write_ttft_report,
+)
 from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, metrics, running
 from kvbridge.testing.tiny_models import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_deepseek_v2
 
@@ -169,6 +179,7 @@ def ttft_log():
     yield rows
     write_ttft_report(
         rows,
+        family="mla",
         model=f"tiny DeepSeek-V2 (MLA), {NUM_LAYERS} dense layers, float32, block {BLOCK}",
         prompt_tokens=list(PROMPT_LENGTHS),
         reference="vLLM NixlConnector on the same prompts, between servers with the pair's arithmetic",
@@ -205,20 +216,19 @@ def test_mla_disaggregated_output_equals_nixl_connectors(servers, batch, referen
     decode_tp = SERVERS[decode].tp
     moved_bytes = delta(before, after, "vllm:kvbridge_bytes_total")
     assert moved_bytes == decode_tp * NUM_LAYERS * blocks * BLOCK * LATENT_BYTES
-    ttft = [round(r[2] * 1000, 1) for r in results]
-    print(f"MLA {prefill} -> {decode}: TTFT ms {ttft}")
-    ttft_log.append(
-        {
-            "prefill": SERVERS[prefill].layout,
-            "decode": SERVERS[decode].layout,
-            "reference": f"NixlConnector {REFERENCE_OF[(prefill, decode)]}",
-            "equal_to_reference": len(batch) - len(unchecked),
-            "equal_to_plain_aggregated": sum(r[0] == a for r, a in zip(results, reference["aggregated"], strict=True)),
-            "ttft_ms": ttft,
-            "median_ttft_ms": statistics.median(ttft),
-            "kv_bytes": moved_bytes,
-        }
+    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
+    row = ttft_row(
+        p,
+        d,
+        [r[2] for r in results],
+        alone,
+        reference=f"NixlConnector {REFERENCE_OF[(prefill, decode)]}",
+        equal_to_reference=len(batch) - len(unchecked),
+        equal_to_plain_aggregated=sum(r[0] == a for r, a in zip(results, reference["aggregated"], strict=True)),
+        kv_bytes=moved_bytes,
     )
+    print(f"MLA {prefill} -> {decode}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
+    ttft_log.append(row)
     if unchecked:
         pytest.skip(f"no reference for the {unchecked}-token prompts: vLLM's NixlConnector recomputed them here")
 

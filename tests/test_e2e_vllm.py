@@ -4,6 +4,8 @@ The four `kv_both` servers of `e2e_support.FOUR` (pp2, pp1a, tp2, pp1b; a pair's
 started once for the module. Each pair checks that the decode server's greedy output equals a non-disaggregated run
 (the prefill server answering the same prompt on its own), and that the decode server's metrics count every
 prompt token as transferred (`external_kv_transfer`) and none as computed locally.
+
+With KVBRIDGE_TTFT_OUT=path (a file or a directory) each pair's PD and aggregated TTFT are written there as JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +16,18 @@ import zlib
 
 import pytest
 
-from e2e_support import FOUR, SOURCE, delta, disaggregated, layout_servers, prefill_params, prompts
+from e2e_support import (
+    FOUR,
+    SOURCE,
+    aggregated_leg,
+    delta,
+    disaggregated,
+    layout_servers,
+    prefill_params,
+    prompts,
+    ttft_row,
+    write_ttft_report,
+)
 from kvbridge.serving.launcher import RequestFailed, complete, metrics, running
 from kvbridge.serving.tiny_model import build_tiny_model
 
@@ -32,6 +45,20 @@ def servers(tmp_path_factory):
         yield started
 
 
+@pytest.fixture(scope="module")
+def ttft_log():
+    rows: list[dict] = []
+    yield rows
+    write_ttft_report(
+        rows,
+        family="plain",
+        model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32, block 128",
+        prompt_tokens=[150, 300],
+        max_tokens=8,
+        staged_extra=os.environ.get("KVBRIDGE_E2E_EXTRA", ""),
+    )
+
+
 def seed_of(*names: str) -> int:
     """A seed per parameter set, the same on every run (str hash() changes with PYTHONHASHSEED)."""
     return zlib.crc32(" -> ".join(names).encode()) % 10_000
@@ -47,7 +74,7 @@ PAIRS = [
 
 
 @pytest.mark.parametrize(("prefill", "decode"), PAIRS)
-def test_disaggregated_output_equals_aggregated(servers, prefill, decode):
+def test_disaggregated_output_equals_aggregated(servers, ttft_log, prefill, decode):
     p, d = servers[prefill], servers[decode]
     batch = prompts(seed_of(prefill, decode), (150, 300))
     before = metrics(d.url)
@@ -61,6 +88,10 @@ def test_disaggregated_output_equals_aggregated(servers, prefill, decode):
     computed = delta(before, after, SOURCE, source="local_compute")
     assert moved == sum(len(x) for x in batch), "the decode server did not load every prompt token through kvbridge"
     assert computed == 0, f"the decode server recomputed {computed} prompt tokens"
+    alone = [aggregated_leg(d, prompt, 8)[1] for prompt in batch]
+    row = ttft_row(p, d, [x.ttft_s for x in outputs], alone, equal_to_aggregated=len(batch))
+    print(f"plain {prefill} -> {decode}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
+    ttft_log.append(row)
 
 
 def test_bad_params_fall_back_to_local_prefill(servers):

@@ -590,8 +590,10 @@ def complete_streaming(
     max_tokens: int,
     kv_transfer_params: Mapping[str, Any] | None = None,
     timeout: float = 60.0,
+    **fields: Any,
 ) -> tuple[list[int], float]:
-    """Greedy streaming `/v1/completions`; returns (generated token ids, seconds to the first token)."""
+    """Greedy streaming `/v1/completions`; returns (generated token ids, seconds to the first token). `fields`
+    are added to the request body (e.g. `cache_salt="..."`)."""
     body: dict[str, Any] = {
         "prompt": [int(t) for t in prompt_token_ids],
         "max_tokens": max_tokens,
@@ -601,6 +603,7 @@ def complete_streaming(
     }
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = dict(kv_transfer_params)
+    body.update(fields)
     request = urllib.request.Request(
         url.rstrip("/") + "/v1/completions",
         data=json.dumps(body).encode(),
