@@ -2,12 +2,12 @@
 that agent is done (issues 14 and 18).
 
 A unit test of ordering in `runtime.nixl_reads.NixlReads`, with the recording fake of test_nixl_reads_drain. Why:
-UCX 1.23 over tcp can crash a prefill worker (SIGSEGV in ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge)
-when the decode closes the endpoint while the prefill still has answers to released READs queued, e.g. after a
-link cut (bench/ucx_cut_stress.py); and NIXL's release does not stop UCX's GET: its data lands once the link is
-back, into blocks vLLM has given to another request if the failed load was reported at once. The oracles: no `remove_peer` of such an agent, and no close of the transport,
-before a flush READ from it was posted and done (or its deadline passed). A variant that removes at once (the
-code before) is caught.
+NIXL's release does not stop UCX's GET: its data lands once the link is back, into blocks vLLM has given to another
+request if the failed load was reported at once; and UCX 1.23 over tcp can crash a prefill worker (SIGSEGV in
+ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge) when the decode closes the endpoint while the prefill still
+has answers to released READs queued, e.g. after a link cut (bench/ucx_cut_stress.py). The oracles: no failure
+reported, no `remove_peer` of such an agent and no close of the transport before a flush READ from it was posted
+and done (or its deadline passed). Variants that report or remove at once (the code before) are caught.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class ReportsAtOnce(NixlReads):
 
 
 def test_the_oracle_notices_a_failed_load_reported_while_a_released_read_may_write():
-    fake, reads, _, reports = cut_load(ReportsAtOnce)
+    fake, _, _, reports = cut_load(ReportsAtOnce)
     assert [kind for kind, _ in reports] == ["failed"] and not any(k == "flush" for k, _ in fake.events)
 
 
