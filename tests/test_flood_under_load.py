@@ -189,7 +189,7 @@ class Pair:
         dst = [int(b) for b in self.rng.permutation(BLOCKS)[:READ]]
         self.dst_kv[:, dst] = float("nan")
         token = os.urandom(16).hex()
-        self.prefill.hold(request_id, tuple(src), token=token, prompt_hash="h")
+        self.prefill.hold(request_id, (tuple(src),), token=token, prompt_hash="h")
         source = PrefillDone(
             remote_engine_id="prefill",
             remote_request_id=request_id,
@@ -274,7 +274,7 @@ def percentiles(xs: list[float]) -> str:
 
 def test_loads_stay_exact_and_prompt_while_the_side_channel_is_flooded(pair):
     for v in VICTIMS:
-        pair.prefill.hold(v, (BLOCKS - 1,), token=os.urandom(16).hex(), prompt_hash="h")
+        pair.prefill.hold(v, ((BLOCKS - 1,),), token=os.urandom(16).hex(), prompt_hash="h")
     pair.load()  # the handshake, once
     quiet = series(pair)
     assert pair.wait_held(len(VICTIMS)) == len(VICTIMS), "every load freed its request"
@@ -319,7 +319,7 @@ def test_the_oracles_see_answers_to_a_key_holder_and_a_freed_victim(pair):
     """Negative controls: the attacker's own count sees answers once it seals with the deployment key, and the
     victims' count drops once an abort carries the right token."""
     token = "right-token"
-    pair.prefill.hold("victim-x", (1,), token=token, prompt_hash="h")
+    pair.prefill.hold("victim-x", ((1,),), token=token, prompt_hash="h")
     proc, ready, stop, report = attacker(pair.config.side_channel_port, KEY, idle=0, max_s=3.0, thread=True)
     try:
         ready.get(timeout=60)
