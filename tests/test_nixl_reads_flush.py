@@ -186,3 +186,24 @@ def test_the_oracle_notices_an_agent_removed_while_its_answers_may_be_queued():
     fake, reads, engine, _ = cut_load(RemovesAtOnce)
     reads.forget(engine)
     assert removed_before_flushed(fake), fake.events
+
+
+def test_a_failed_load_with_an_unfenced_staged_part_is_fenced_before_it_is_reported():
+    """A staged part whose READ was released unfinished and whose own flush did not complete (`unfenced`,
+    runtime/staged_reads.py) may still write KV blocks: its agent is flushed by the load's fence too."""
+    fake, reports = FlushFake(), []
+    reads = make_reads(fake, reports)
+    load = make_load(reads, ranks=RANKS[:1])
+    reads.peers = SimpleNamespace(drop=lambda engine, error: None, all_engines=lambda: [load.engine])
+    part = SimpleNamespace(finished=False, error="", unfenced=False, peer=SimpleNamespace(agent=AGENT))
+    load.staged = [part]
+    fake.dma_done.add(0)
+    reads.post(load, note())
+    reads.poll()  # the direct READ is done; the staged part still runs
+    assert reports == [] and load.transfers[0].done
+    part.finished, part.error, part.unfenced = True, "staged read failed", True
+    reads.poll()
+    assert reports == [] and ("flush", 1) in fake.events, (fake.events, reports)
+    end_flushes(fake)
+    reads.poll()
+    assert [kind for kind, _ in reports] == ["failed"]

@@ -438,6 +438,7 @@ class NixlReads:
     def _settle(self, load: Load) -> None:
         """A load whose READs are all released: report it (failed if it has an error, else done). A failed load
         whose READs were still running is fenced first (`_fence`)."""
+        load.unfinished |= frozenset(p.peer.agent for p in load.staged if p.unfenced)
         if load.error and load.unfinished:
             self._fence(load)
         elif load.error:

@@ -22,6 +22,7 @@ was posted pins the request on the prefill side for the whole part.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -70,6 +71,7 @@ class StagedPart:
         self.finished = False
         self.cancelled = False
         self.reads = 0  # READs posted (one descriptor each)
+        self.unfenced = False  # a READ of it released unfinished, and no flush READ from its agent done after it
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +109,7 @@ class StagedReads:
         self._scatter = device_copy.scatter if self._tensors else host_copy.scatter
         self._lock = threading.Lock()
         self._free: list[int] = []
+        self.retired: list[int] = []  # slots a READ released unfinished may still write: never reused
         self._pool: ThreadPoolExecutor | None = None
         self._clients = ThreadClients(
             timeout_s=config.handshake_timeout_s,
@@ -318,7 +321,45 @@ class StagedReads:
                     raise KVBridgeError(f"staged READ of {nbytes} B from {part.rank} not done by the load's deadline")
                 backoff.sleep()
         finally:
+            running = not transfer.done
             self._release(transfer)
+            if running:
+                self._fence(part)
+
+    def _fence(self, part: StagedPart) -> None:
+        """After a READ was released unfinished: NIXL's release does not stop UCX's GET (its data may land later,
+        `NixlReads._fence`), so before the part's slots or KV blocks are reused, wait for a flush READ from the same
+        agent (UCX answers one reader's READs in order). None done within transfer_timeout_s: the part is
+        `unfenced`: its slots are retired, and the load's own fence closes the endpoint before its blocks go back."""
+        nixl = self.nixl
+        try:
+            with nixl._lock:
+                flush = nixl.transport.post_flush(part.peer.agent, part.peer.memory.regions[0], nixl.mem_type)
+        except KVBridgeError:
+            return  # the endpoint has failed: it delivers nothing more
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        backoff = Backoff(first_s=1e-3, cap_s=0.05)
+        try:
+            while time.monotonic() < deadline:
+                with nixl._lock:
+                    try:
+                        if nixl.transport.poll(flush):
+                            return
+                    except KVBridgeError:
+                        return
+                backoff.sleep()
+            part.unfenced = True
+            logger.warning(
+                "kvbridge decode %s: no flush READ from %s done in %g s after a staged READ was released unfinished: "
+                "its %d staging slots are retired",
+                self.identity,
+                part.peer.agent,
+                self.config.transfer_timeout_s,
+                len(part.slots),
+            )
+        finally:
+            with contextlib.suppress(KVBridgeError), nixl._lock:
+                nixl.transport.release(flush)
 
     def _direct(self, part: StagedPart, note: bytes) -> None:
         """The part read the direct way (coalesced descriptors), polled and released here."""
@@ -338,5 +379,5 @@ class StagedReads:
 
     def _give_back(self, part: StagedPart) -> None:
         with self._lock:
-            self._free.extend(part.slots)
+            (self.retired if part.unfenced else self._free).extend(part.slots)
             part.slots = []
