@@ -110,3 +110,40 @@ def test_staged_nixl_loads_in_gpu_memory_are_exact_and_give_every_slot_back(pref
         staging = report["staging"]
         assert staging["gathered_bytes"] > 0, report
         assert staging["sessions"] == 0 and staging["free_slots"] == staging["num_slots"], report
+
+
+@pytest.mark.timeout(90)
+def test_a_flush_read_from_gpu_memory_completes_and_writes_no_kv():
+    """The fence's flush READ (`NixlTransport.post_flush`, before a failed load's blocks go back or an endpoint
+    closes) from a peer's GPU memory into the reader's host scratch buffer: it completes, reads the peer's bytes
+    and writes none of the reader's GPU memory."""
+    import os
+    import time
+
+    from kvbridge.core.memory import Region, WorkerMemory
+    from kvbridge.transport.nixl import FLUSH_BYTES, Backoff, NixlTransport, TransportConfig
+
+    src = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros((1 << 20,), dtype=torch.uint8, device=DECODE_DEVICE)
+
+    def memory(t):
+        return WorkerMemory(regions=(Region(t.data_ptr(), t.numel(), t.device.index),), layers=())
+
+    config = TransportConfig(ucx_tls=None)
+    with (
+        NixlTransport(f"flush-gpu-p-{os.getpid()}", config) as p,
+        NixlTransport(f"flush-gpu-d-{os.getpid()}", config) as d,
+    ):
+        p.register(memory(src), "VRAM")
+        d.register(memory(dst), "VRAM")
+        name = d.add_peer(p.agent_metadata())
+        flush = d.post_flush(name, memory(src).regions[0], "VRAM")
+        backoff, deadline = Backoff(), time.monotonic() + 30
+        while not d.poll(flush):
+            p.notifications()
+            assert time.monotonic() < deadline, "the flush READ from GPU memory never completed"
+            backoff.sleep()
+        d.release(flush)
+        torch.cuda.synchronize()
+        assert bytes(d._scratch[:FLUSH_BYTES]) == b"\x07" * FLUSH_BYTES
+        assert int(dst.count_nonzero()) == 0
