@@ -171,6 +171,26 @@ def ttft_row(
     }
 
 
+def log_ttft(
+    log: list[dict],
+    label: str,
+    prefill: VllmServer,
+    decode: VllmServer,
+    batch: list[list[int]],
+    pd_s: list[float],
+    max_tokens: int,
+    fields: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A pair's TTFT: the decode server's aggregated TTFT measured on the same prompts (`aggregated_leg`, with
+    `fields` in each request), the row (`ttft_row`, `extra` in it) appended to `log` and printed under `label`."""
+    alone = [aggregated_leg(decode, prompt, max_tokens, **(fields or {}))[1] for prompt in batch]
+    row = ttft_row(prefill, decode, pd_s, alone, **extra)
+    print(f"{label}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
+    log.append(row)
+    return row
+
+
 def write_ttft_report(rows: list[dict], **meta: Any) -> None:
     """With KVBRIDGE_TTFT_OUT=path, the pairs' TTFT rows are written there as JSON with the command, host and
     commit; where path is a directory, to `ttft-<family>-<UTC stamp>.json` in it (`meta` must name the family).

@@ -30,13 +30,12 @@ from e2e_support import (
     SOURCE,
     UNCHECKED,
     Place,
-    aggregated_leg,
     delta,
     disaggregated,
     layout_servers,
+    log_ttft,
     prefill_params,
     prompts,
-    ttft_row,
     write_ttft_report,
 )
 from kvbridge.serving.launcher import complete, metrics, running
@@ -117,13 +116,18 @@ def test_different_block_sizes_output_equals_aggregated(
     # exactly the prompt's tokens, once per (layer, KV head): not the unused tails of the last blocks
     nbytes = delta(before, after, "vllm:kvbridge_bytes_total")
     assert nbytes == TOKEN_BYTES * sum(map(len, batch)), nbytes
-    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
-    row = ttft_row(p, d, [x.ttft_s for x in legs], alone, equal_to_aggregated=len(batch), kv_bytes=nbytes)
-    row["blocks"] = f"{BLOCK[prefill_name]} -> {BLOCK[decode_name]}"
-    print(
-        f"block sizes {prefill_name} -> {decode_name}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}"
+    log_ttft(
+        ttft_log,
+        f"block sizes {prefill_name} -> {decode_name}",
+        p,
+        d,
+        batch,
+        [x.ttft_s for x in legs],
+        MAX_TOKENS,
+        equal_to_aggregated=len(batch),
+        kv_bytes=nbytes,
+        blocks=f"{BLOCK[prefill_name]} -> {BLOCK[decode_name]}",
     )
-    ttft_log.append(row)
 
 
 def test_negative_control_a_wrong_token_to_block_mapping_changes_the_output(servers, batch, aggregated):

@@ -29,12 +29,11 @@ from e2e_support import (
     SOURCE,
     UNCHECKED,
     Place,
-    aggregated_leg,
     delta,
     disaggregated,
     layout_servers,
+    log_ttft,
     prompts,
-    ttft_row,
     write_ttft_report,
 )
 from kvbridge.serving.launcher import complete, metrics, running
@@ -142,10 +141,18 @@ def test_fp8_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
     # FP8 pages moved as bytes, 1 per channel (a quarter of the float32 model's): each (layer, KV head, block) once
     moved_bytes = delta(before, after, "vllm:kvbridge_bytes_total")
     assert moved_bytes == sum(-(-len(prompt) // BLOCK) for prompt in batch) * PAGE_BYTES
-    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
-    row = ttft_row(p, d, [r[2] for r in results], alone, equal_to_aggregated=len(batch), kv_bytes=moved_bytes)
-    print(f"FP8 {prefill} -> {decode}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
-    ttft_log.append(row)
+    pd_s = [r[2] for r in results]
+    log_ttft(
+        ttft_log,
+        f"FP8 {prefill} -> {decode}",
+        p,
+        d,
+        batch,
+        pd_s,
+        MAX_TOKENS,
+        equal_to_aggregated=len(batch),
+        kv_bytes=moved_bytes,
+    )
 
 
 def test_fp8_negative_control_the_wrong_blocks_change_the_output(servers, batch, aggregated):

@@ -42,13 +42,12 @@ from e2e_support import (
     SOURCE,
     UNCHECKED,
     Place,
-    aggregated_leg,
     delta,
     disaggregated,
     layout_servers,
+    log_ttft,
     prefill_params,
     prompts,
-    ttft_row,
     write_ttft_report,
 )
 from kvbridge.core.groups import CacheGroup
@@ -170,12 +169,19 @@ def test_hma_disaggregated_output_equals_aggregated(servers, batch, aggregated, 
         assert leg.tokens == want, f"{prefill_name} -> {decode_name} ({len(prompt)} tokens): {leg.tokens} != {want}"
     assert delta(before, after, SOURCE, source="external_kv_transfer") == sum(map(len, batch))
     assert delta(before, after, SOURCE, source="local_compute") == 0, "the decode server recomputed prompt tokens"
-    assert delta(before, after, "vllm:kvbridge_bytes_total") == sum(pages(len(x)) for x in batch) * PAGE_BYTES
-    alone = [aggregated_leg(d, prompt, MAX_TOKENS, cache_salt=f"alone-{salt}")[1] for prompt in batch]
-    row = ttft_row(p, d, [x.ttft_s for x in legs], alone)
-    print(f"HMA {prefill_name} -> {decode_name}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
-    ttft_log.append(
-        {**row, "equal_to_aggregated": len(batch), "kv_bytes": sum(pages(len(x)) for x in batch) * PAGE_BYTES}
+    kv_bytes = sum(pages(len(x)) for x in batch) * PAGE_BYTES
+    assert delta(before, after, "vllm:kvbridge_bytes_total") == kv_bytes
+    log_ttft(
+        ttft_log,
+        f"HMA {prefill_name} -> {decode_name}",
+        p,
+        d,
+        batch,
+        [x.ttft_s for x in legs],
+        MAX_TOKENS,
+        fields={"cache_salt": f"alone-{salt}"},
+        equal_to_aggregated=len(batch),
+        kv_bytes=kv_bytes,
     )
 
 

@@ -29,14 +29,13 @@ import random
 
 import pytest
 
-from e2e_support import aggregated_leg, disaggregated, ttft_row, write_ttft_report
+from e2e_support import SOURCE, delta, disaggregated, log_ttft, prefill_params, write_ttft_report
 from kvbridge.serving.launcher import (
     VllmServer,
     complete,
     free_base_port,
     free_port,
     kvbridge_config,
-    metric_sum,
     metrics,
     running,
 )
@@ -63,7 +62,6 @@ PAIRS = [
 ]
 PROMPT_LENGTHS = (200, 301)
 MAX_TOKENS = 8
-SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture(scope="module")
@@ -128,17 +126,6 @@ def ttft_log():
     )
 
 
-def delta(before: dict, after: dict, name: str, **labels: str) -> float:
-    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
-
-
-def prefill(p: VllmServer, prompt: list[int]) -> dict:
-    first = complete(p.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=120)
-    params = first["kv_transfer_params"]
-    assert params and params["do_remote_prefill"] is True, first
-    return params
-
-
 def decode(d: VllmServer, prompt: list[int], params: dict) -> list[int]:
     return complete(d.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)["choices"][0]["token_ids"]
 
@@ -156,38 +143,58 @@ def test_the_servers_run_a_state_group_beside_the_attention_group(servers):
         assert lines and all("2 KV-cache groups" in x for x in lines), lines
 
 
-@pytest.mark.parametrize(("prefill_name", "decode_name"), PAIRS)
-def test_mamba_disaggregated_output_equals_aggregated(servers, batch, aggregated, ttft_log, prefill_name, decode_name):
-    p, d = servers[prefill_name], servers[decode_name]
+def check_pair(p: VllmServer, d: VllmServer, batch: list[list[int]], want: list[list[int]], ttft_log: list) -> list:
+    """PD over the pair equals `want` (the decode server's aggregated output) with N-1 tokens transferred, the last
+    computed, the bytes exact; the pair's TTFT row goes to `ttft_log`. Returns the legs."""
     before = metrics(d.url)
     legs = [disaggregated(p, d, prompt, MAX_TOKENS) for prompt in batch]
     after = metrics(d.url)
-    for prompt, want, leg in zip(batch, aggregated[decode_name], legs, strict=True):
+    for prompt, tokens, leg in zip(batch, want, legs, strict=True):
         state, attention = leg.params["remote_group_block_ids"]
         assert len(state) == 1 and len(attention) == -(-(len(prompt) - 1) // BLOCK), leg.params
         assert leg.params["remote_num_tokens"] == len(prompt) - 1  # the prefill computed N-1 tokens
-        assert leg.tokens == want, f"{prefill_name} -> {decode_name} ({len(prompt)} tokens): {leg.tokens} != {want}"
+        assert leg.tokens == tokens, f"{p.name} -> {d.name} ({len(prompt)} tokens): {leg.tokens} != {tokens}"
     assert delta(before, after, SOURCE, source="external_kv_transfer") == sum(len(x) - 1 for x in batch)
     assert delta(before, after, SOURCE, source="local_compute") == len(batch), "only each prompt's last token"
     moved = delta(before, after, "vllm:kvbridge_bytes_total")
     assert moved == sum(moved_bytes(len(x)) for x in batch)
-    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
-    row = ttft_row(p, d, [x.ttft_s for x in legs], alone, equal_to_aggregated=len(batch), kv_bytes=moved)
-    print(f"Mamba2 {prefill_name} -> {decode_name}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
-    ttft_log.append(row)
+    pd_s = [x.ttft_s for x in legs]
+    log_ttft(
+        ttft_log,
+        f"Mamba2 {p.name} -> {d.name}",
+        p,
+        d,
+        batch,
+        pd_s,
+        MAX_TOKENS,
+        equal_to_aggregated=len(batch),
+        kv_bytes=moved,
+    )
+    return legs
 
 
-def test_mamba_negative_control_the_last_token_applied_twice_changes_the_output(servers, batch, aggregated):
-    """The oracle can fail: the state after all N tokens (a prefill of the prompt plus one token computes N) loaded
-    for the prompt, by a decode that does not check the params' prompt (pp1b), which then computes token N on top of
-    it: the state has seen the last token twice. The same decode with the N-1 state gives the aggregated output."""
-    p, d = servers["pp1a"], servers["pp1b"]
-    prompt, want = batch[0], aggregated["pp1b"][0]
+def check_last_token_twice(p: VllmServer, d: VllmServer, prompt: list[int], want: list[int]) -> None:
+    """The negative control: the state after all N tokens (a prefill of the prompt plus one token computes N)
+    loaded for the prompt by a decode that does not check the params' prompt, which then computes token N on top
+    of it: the state has seen the last token twice, and the output must show it."""
     assert -(-len(prompt) // BLOCK) == -(-(len(prompt) - 1) // BLOCK)  # the params' blocks fit the decode's N-1
-    params = prefill(p, [*prompt, 7])
+    params = prefill_params(p, [*prompt, 7])
     assert params["remote_num_tokens"] == len(prompt)
     before = metrics(d.url)
     tokens = decode(d, prompt, params)
     assert delta(before, metrics(d.url), SOURCE, source="external_kv_transfer") == len(prompt) - 1
     assert tokens != want, "a state that saw the last prompt token twice must show in the output"
-    assert decode(d, prompt, prefill(p, prompt)) == want
+
+
+@pytest.mark.parametrize(("prefill_name", "decode_name"), PAIRS)
+def test_mamba_disaggregated_output_equals_aggregated(servers, batch, aggregated, ttft_log, prefill_name, decode_name):
+    check_pair(servers[prefill_name], servers[decode_name], batch, aggregated[decode_name], ttft_log)
+
+
+def test_mamba_negative_control_the_last_token_applied_twice_changes_the_output(servers, batch, aggregated):
+    """The oracle can fail (`check_last_token_twice`, pp1a -> pp1b, whose decode does not check the params'
+    prompt); the same decode with the N-1 state gives the aggregated output."""
+    p, d = servers["pp1a"], servers["pp1b"]
+    prompt, want = batch[0], aggregated["pp1b"][0]
+    check_last_token_twice(p, d, prompt, want)
+    assert decode(d, prompt, prefill_params(p, prompt)) == want

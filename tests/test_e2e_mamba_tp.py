@@ -21,20 +21,10 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_support import (
-    SOURCE,
-    Place,
-    aggregated_leg,
-    delta,
-    disaggregated,
-    layout_servers,
-    prompts,
-    ttft_row,
-    write_ttft_report,
-)
-from kvbridge.serving.launcher import complete, metrics, running
+from e2e_support import Place, layout_servers, prompts, write_ttft_report
+from kvbridge.serving.launcher import complete, running
 from kvbridge.testing.tiny_models import build_tiny_nemotron_h
-from test_e2e_mamba import BLOCK, MAX_TOKENS, PROMPT_LENGTHS, moved_bytes
+from test_e2e_mamba import MAX_TOKENS, PROMPT_LENGTHS, check_last_token_twice, check_pair
 
 pytestmark = pytest.mark.vllm
 
@@ -97,37 +87,11 @@ def test_every_worker_runs_a_state_group_beside_the_attention_group(servers):
 
 
 def test_mamba_tp2_to_tp2_output_equals_aggregated(servers, batch, aggregated, ttft_log):
-    p, d = servers["tp2a"], servers["tp2b"]
-    before = metrics(d.url)
-    legs = [disaggregated(p, d, prompt, MAX_TOKENS) for prompt in batch]
-    after = metrics(d.url)
-    for prompt, want, leg in zip(batch, aggregated, legs, strict=True):
-        state, attention = leg.params["remote_group_block_ids"]
-        assert len(state) == 1 and len(attention) == -(-(len(prompt) - 1) // BLOCK), leg.params
-        assert leg.params["remote_num_tokens"] == len(prompt) - 1  # the prefill computed N-1 tokens
-        assert leg.params["remote_layout"].startswith("pp=1,tp=2"), leg.params
-        assert leg.tokens == want, f"tp2 -> tp2 ({len(prompt)} tokens): {leg.tokens} != {want}"
-    assert delta(before, after, SOURCE, source="external_kv_transfer") == sum(len(x) - 1 for x in batch)
-    assert delta(before, after, SOURCE, source="local_compute") == len(batch), "only each prompt's last token"
-    moved = delta(before, after, "vllm:kvbridge_bytes_total")
-    assert moved == sum(moved_bytes(len(x)) for x in batch)
-    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
-    row = ttft_row(p, d, [x.ttft_s for x in legs], alone, equal_to_aggregated=len(batch), kv_bytes=moved)
-    print(f"Mamba2 tp2 -> tp2: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
-    ttft_log.append(row)
+    legs = check_pair(servers["tp2a"], servers["tp2b"], batch, aggregated, ttft_log)
+    assert all(leg.params["remote_layout"].startswith("pp=1,tp=2") for leg in legs), [x.params for x in legs]
 
 
 def test_mamba_tp_negative_control_the_last_token_applied_twice_changes_the_output(servers, batch, aggregated):
-    """The oracle can fail with TP-sharded state too: the state after all N tokens (a prefill of the prompt plus
-    one token) loaded for the prompt by a decode that does not check the params' prompt (tp2b) sees the last
-    token twice."""
-    p, d = servers["tp2a"], servers["tp2b"]
-    prompt, want = batch[0], aggregated[0]
-    assert -(-len(prompt) // BLOCK) == -(-(len(prompt) - 1) // BLOCK)  # the params' blocks fit the decode's N-1
-    first = complete(p.url, [*prompt, 7], 1, kv_transfer_params={"do_remote_decode": True}, timeout=120)
-    params = first["kv_transfer_params"]
-    assert params["remote_num_tokens"] == len(prompt)
-    before = metrics(d.url)
-    tokens = complete(d.url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)["choices"][0]["token_ids"]
-    assert delta(before, metrics(d.url), SOURCE, source="external_kv_transfer") == len(prompt) - 1
-    assert tokens != want, "a state that saw the last prompt token twice must show in the output"
+    """The oracle can fail with TP-sharded state too (`check_last_token_twice`; tp2b does not check the params'
+    prompt)."""
+    check_last_token_twice(servers["tp2a"], servers["tp2b"], batch[0], aggregated[0])

@@ -40,12 +40,11 @@ from e2e_support import (
     FOUR,
     SOURCE,
     UNCHECKED,
-    aggregated_leg,
     delta,
     disaggregated,
     layout_servers,
+    log_ttft,
     prompts,
-    ttft_row,
     write_ttft_report,
 )
 from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, metrics, running
@@ -216,19 +215,19 @@ def test_mla_disaggregated_output_equals_nixl_connectors(servers, batch, referen
     decode_tp = SERVERS[decode].tp
     moved_bytes = delta(before, after, "vllm:kvbridge_bytes_total")
     assert moved_bytes == decode_tp * NUM_LAYERS * blocks * BLOCK * LATENT_BYTES
-    alone = [aggregated_leg(d, prompt, MAX_TOKENS)[1] for prompt in batch]
-    row = ttft_row(
+    log_ttft(
+        ttft_log,
+        f"MLA {prefill} -> {decode}",
         p,
         d,
+        batch,
         [r[2] for r in results],
-        alone,
+        MAX_TOKENS,
         reference=f"NixlConnector {REFERENCE_OF[(prefill, decode)]}",
         equal_to_reference=len(batch) - len(unchecked),
         equal_to_plain_aggregated=sum(r[0] == a for r, a in zip(results, reference["aggregated"], strict=True)),
         kv_bytes=moved_bytes,
     )
-    print(f"MLA {prefill} -> {decode}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
-    ttft_log.append(row)
     if unchecked:
         pytest.skip(f"no reference for the {unchecked}-token prompts: vLLM's NixlConnector recomputed them here")
 

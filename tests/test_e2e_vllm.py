@@ -19,13 +19,12 @@ import pytest
 from e2e_support import (
     FOUR,
     SOURCE,
-    aggregated_leg,
     delta,
     disaggregated,
     layout_servers,
+    log_ttft,
     prefill_params,
     prompts,
-    ttft_row,
     write_ttft_report,
 )
 from kvbridge.serving.launcher import RequestFailed, complete, metrics, running
@@ -88,10 +87,8 @@ def test_disaggregated_output_equals_aggregated(servers, ttft_log, prefill, deco
     computed = delta(before, after, SOURCE, source="local_compute")
     assert moved == sum(len(x) for x in batch), "the decode server did not load every prompt token through kvbridge"
     assert computed == 0, f"the decode server recomputed {computed} prompt tokens"
-    alone = [aggregated_leg(d, prompt, 8)[1] for prompt in batch]
-    row = ttft_row(p, d, [x.ttft_s for x in outputs], alone, equal_to_aggregated=len(batch))
-    print(f"plain {prefill} -> {decode}: TTFT ms {row['ttft_ms']}, aggregated {row['aggregated_ttft_ms']}")
-    ttft_log.append(row)
+    pd_s = [x.ttft_s for x in outputs]
+    log_ttft(ttft_log, f"plain {prefill} -> {decode}", p, d, batch, pd_s, 8, equal_to_aggregated=len(batch))
 
 
 def test_bad_params_fall_back_to_local_prefill(servers):
