@@ -49,13 +49,11 @@ class DeviceViews:
         self._words: dict[tuple[int, int], torch.Tensor] = {}  # (region, word) -> that region as words
 
     def _as_words(self, index: int, word: int) -> torch.Tensor:
-        import torch
 
         key = (index, word)
         if key not in self._words:
             flat = self._flat[index]
-            dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-            self._words[key] = flat[: flat.numel() // word * word].view(dtype)
+            self._words[key] = flat[: flat.numel() // word * word].view(_dtype(word))
         return self._words[key]
 
     def rows(self, addr: int, stride: int, length: int, count: int, word: int = 1) -> torch.Tensor:
@@ -95,19 +93,10 @@ def gather(
     tensor on the views' device), back to back, and wait for the copies; returns the bytes copied."""
     import torch
 
-    copied = 0
-    top = int(blocks.max()) + 1 if blocks.size else 0
-    word = views.word(addr, block_stride, length, out)
-    with _on(views):
-        ids = views.ids(blocks)
-        for p in pieces:
-            n = int(length[p.segment])
-            rows = views.rows(int(addr[p.segment]), int(block_stride[p.segment]), n, top, word)
-            dst = _chunk_rows(out, p, n, word)
-            torch.index_select(rows, 0, ids[p.first : p.stop], out=dst)
-            copied += (p.stop - p.first) * n
-        _wait(views)
-    return copied
+    def copy(rows: torch.Tensor, ids: torch.Tensor, part: torch.Tensor) -> None:
+        torch.index_select(rows, 0, ids, out=part)
+
+    return _each_piece(views, addr, block_stride, length, blocks, pieces, out, copy)
 
 
 def scatter(
@@ -120,6 +109,16 @@ def scatter(
     chunk: torch.Tensor,
 ) -> int:
     """The inverse of `gather`: copy the chunk's pieces from `chunk` to their runs for `blocks`, and wait."""
+
+    def copy(rows: torch.Tensor, ids: torch.Tensor, part: torch.Tensor) -> None:
+        rows.index_copy_(0, ids, part)
+
+    return _each_piece(views, addr, block_stride, length, blocks, pieces, chunk, copy)
+
+
+def _each_piece(views, addr, block_stride, length, blocks, pieces, chunk, copy) -> int:
+    """`copy(KV rows, the piece's block ids, the piece's rows of the chunk)` for every piece, on the views' stream,
+    then wait for the copies; returns the bytes copied."""
     copied = 0
     top = int(blocks.max()) + 1 if blocks.size else 0
     word = views.word(addr, block_stride, length, chunk)
@@ -128,18 +127,20 @@ def scatter(
         for p in pieces:
             n = int(length[p.segment])
             rows = views.rows(int(addr[p.segment]), int(block_stride[p.segment]), n, top, word)
-            rows.index_copy_(0, ids[p.first : p.stop], _chunk_rows(chunk, p, n, word))
+            part = (
+                chunk[p.offset : p.offset + (p.stop - p.first) * n].view(_dtype(word)).view(p.stop - p.first, n // word)
+            )
+            copy(rows, ids[p.first : p.stop], part)
             copied += (p.stop - p.first) * n
         _wait(views)
     return copied
 
 
-def _chunk_rows(chunk: torch.Tensor, p: Piece, n: int, word: int) -> torch.Tensor:
+def _dtype(word: int) -> torch.dtype:
+    """The integer dtype of a `word`-byte word."""
     import torch
 
-    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-    part = chunk[p.offset : p.offset + (p.stop - p.first) * n]
-    return part.view(dtype).view(p.stop - p.first, n // word)
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
 
 
 def _on(views: DeviceViews):
