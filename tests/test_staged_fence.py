@@ -19,6 +19,7 @@ from kvbridge.core.config import BridgeConfig
 from kvbridge.core.descriptors import Descriptors
 from kvbridge.core.errors import KVBridgeError
 from kvbridge.core.memory import Region
+from kvbridge.runtime.nixl_reads import NixlReads
 from kvbridge.runtime.staged_reads import StagedReads
 from kvbridge.transport.nixl import Transfer
 
@@ -30,6 +31,7 @@ class Fake:
 
     def __init__(self, flush_polls: int | None) -> None:
         self.events: list[str] = []
+        self.peers = {AGENT}
         self.flush_polls = flush_polls
         self.polls = 0
 
@@ -60,7 +62,9 @@ def staged(fake: Fake, timeout_s: float = 5.0) -> StagedReads:
     reads = StagedReads.__new__(StagedReads)
     reads.config = BridgeConfig(transfer_timeout_s=timeout_s)
     reads.identity = "decode"
-    reads.nixl = SimpleNamespace(_lock=threading.Lock(), transport=fake, mem_type="DRAM")
+    nixl = NixlReads.__new__(NixlReads)  # its lock, transport and flush helpers, nothing else
+    nixl._lock, nixl.transport, nixl.mem_type, nixl.identity = threading.Lock(), fake, "DRAM", "decode"
+    reads.nixl = nixl
     reads._lock = threading.Lock()
     reads._free, reads.retired = [], []
     return reads

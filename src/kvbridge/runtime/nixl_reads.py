@@ -218,21 +218,30 @@ class NixlReads:
 
     def _start_flush(self, agent: str, memory: WorkerMemory) -> None:
         self._unflushed.discard(agent)
+        flush = self._post_flush(agent, memory)
+        if flush is not None:
+            self._flushing[agent] = (flush, time.monotonic() + self.config.transfer_timeout_s)
+
+    def _post_flush(self, agent: str, memory: WorkerMemory) -> Transfer | None:
+        """A flush READ from `agent` (`NixlTransport.post_flush`), or None if its endpoint has failed already (it
+        delivers nothing more: nothing left to wait for)."""
         try:
-            flush = self.transport.post_flush(agent, memory.regions[0], self.mem_type)
-        except KVBridgeError as exc:  # the endpoint has failed already: nothing left to protect
+            return self.transport.post_flush(agent, memory.regions[0], self.mem_type)
+        except KVBridgeError as exc:
             logger.debug("kvbridge decode %s: no flush READ from %s: %s", self.identity, agent, exc)
-            return
-        self._flushing[agent] = (flush, time.monotonic() + self.config.transfer_timeout_s)
+            return None
+
+    def _flushed(self, agent: str, flush: Transfer) -> bool:
+        """Whether nothing more can arrive from `agent` before `flush`: it is done or failed, or the agent is gone."""
+        try:
+            return agent not in self.transport.peers or self.transport.poll(flush)
+        except KVBridgeError:
+            return True
 
     def _finish_flushes(self) -> None:
         """Remove the agents whose flush READ is done, failed or past its deadline."""
         for agent, (flush, deadline) in list(self._flushing.items()):
-            try:
-                done = self.transport.poll(flush)
-            except KVBridgeError:
-                done = True
-            if done or time.monotonic() > deadline:
+            if self._flushed(agent, flush) or time.monotonic() > deadline:
                 self._forget_agent(agent)
 
     def _flush_all(self, timeout_s: float) -> None:
@@ -457,14 +466,13 @@ class NixlReads:
         delivers nothing more. So: one flush READ per agent that had READs running; the load is reported when each
         is done or failed, or, past `transfer_timeout_s`, once those agents are removed (their endpoints closed)."""
         flushes: dict[str, Transfer] = {}
-        regions = {p.agent: p.memory.regions[0] for p in (load.engine.peers.values() if load.engine else ())}
+        memory = {p.agent: p.memory for p in (load.engine.peers.values() if load.engine else ())}
         for agent in load.unfinished:
-            if agent not in self.transport.peers or agent not in regions:
+            if agent not in self.transport.peers or agent not in memory:
                 continue  # removed: its endpoint is closed
-            try:
-                flushes[agent] = self.transport.post_flush(agent, regions[agent], self.mem_type)
-            except KVBridgeError as exc:  # the endpoint has failed: it delivers nothing more
-                logger.debug("kvbridge decode %s: no flush READ from %s: %s", self.identity, agent, exc)
+            flush = self._post_flush(agent, memory[agent])
+            if flush is not None:
+                flushes[agent] = flush
         if flushes:
             self._fences.append(Fence(load, flushes, time.monotonic() + self.config.transfer_timeout_s))
         else:
@@ -474,11 +482,7 @@ class NixlReads:
         still = []
         for fence in self._fences:
             for agent, flush in list(fence.flushes.items()):
-                try:
-                    done = agent not in self.transport.peers or self.transport.poll(flush)
-                except KVBridgeError:
-                    done = True
-                if done:
+                if self._flushed(agent, flush):
                     del fence.flushes[agent]
                     self._unflushed.discard(agent)
                     with contextlib.suppress(KVBridgeError):

@@ -331,21 +331,17 @@ class StagedReads:
         `NixlReads._fence`), so before the part's slots or KV blocks are reused, wait for a flush READ from the same
         agent (UCX answers one reader's READs in order). None done within transfer_timeout_s: the part is
         `unfenced`: its slots are retired, and the load's own fence closes the endpoint before its blocks go back."""
-        nixl = self.nixl
-        try:
-            with nixl._lock:
-                flush = nixl.transport.post_flush(part.peer.agent, part.peer.memory.regions[0], nixl.mem_type)
-        except KVBridgeError:
+        nixl, agent = self.nixl, part.peer.agent
+        with nixl._lock:
+            flush = nixl._post_flush(agent, part.peer.memory)
+        if flush is None:
             return  # the endpoint has failed: it delivers nothing more
         deadline = time.monotonic() + self.config.transfer_timeout_s
         backoff = Backoff(first_s=1e-3, cap_s=0.05)
         try:
             while time.monotonic() < deadline:
                 with nixl._lock:
-                    try:
-                        if nixl.transport.poll(flush):
-                            return
-                    except KVBridgeError:
+                    if nixl._flushed(agent, flush):
                         return
                 backoff.sleep()
             part.unfenced = True
