@@ -9,7 +9,7 @@ memory or CMA between them), timing each way from "descriptors in hand" to "byte
   nixl-contig  the anchor: the same bytes as one contiguous region (one descriptor)
 
 Every nixl and nixl-prep READ is checked byte for byte against the prefill buffer's seeded contents. The
-namespaces come from tests/hosts.py (root and iproute2 needed); the processes exchange metadata through files.
+namespaces come from tests/support/hosts.py (root and iproute2 needed); the processes exchange metadata through files.
 
     .venv/bin/python bench/cpu_netns_nixl.py                      # writes bench/results/cpu-netns-nixl-<stamp>.json
 """
@@ -30,7 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from kvbridge.core.descriptors import Descriptors, PreparedTable, worker_descriptors  # noqa: E402
 from kvbridge.core.memory import synthesize_memory  # noqa: E402

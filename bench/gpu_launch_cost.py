@@ -83,7 +83,7 @@ def main() -> int:
         return {"checks": t1 - t0, "launch": t2 - t1, "host": t2 - t0, "wait": t3 - t2, "gpu": gpu}
 
     def request_contexts() -> dict:
-        """Session 2's way: torch's context managers, a fresh pinned tensor per request."""
+        """The first way: torch's context managers, a fresh pinned tensor per request."""
         t0 = time.perf_counter()
         block_lists(sb, db, src_mem, dst_mem)
         t1 = time.perf_counter()
@@ -113,8 +113,8 @@ def main() -> int:
 
     request = reader_with(kernel)
     ways = {
-        "contexts + fresh pinned ids (session 2)": request_contexts,
-        "IpcReader.launch, JIT entry (session 3)": reader_with(jit_kernel),
+        "contexts + fresh pinned ids (the first launcher)": request_contexts,
+        "IpcReader.launch, JIT entry (the second launcher)": reader_with(jit_kernel),
         "IpcReader.launch, compiled launcher": request,
     }
     for fn in ways.values():

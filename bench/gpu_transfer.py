@@ -609,7 +609,7 @@ class Bench:
     def gather_fn(self, kernels: list, sb: np.ndarray, db: np.ndarray, devices: tuple, fresh_ids: bool = False):
         """As the decode worker's IpcReader does it: the ids packed into pinned memory allocated once, one upload
         and the launches on a stream of the kernels' device (the compiled launcher after the first). `fresh_ids`:
-        as session 3's bench did it, a fresh pinned tensor per request and Triton's JIT entry on the current
+        as the first launcher did it, a fresh pinned tensor per request and Triton's JIT entry on the current
         stream (the host's work shows in the GPU time: the GPU waits for it after the start event)."""
         from kvbridge.transport.gpu_gather import pack_ids, padded_pairs
 
@@ -983,12 +983,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--gather-fresh-ids",
         action="store_true",
-        help="also time session 3's way of launching: a fresh pinned id tensor per request, Triton's JIT entry",
+        help="also time the first launcher's way: a fresh pinned id tensor per request, Triton's JIT entry",
     )
     p.add_argument(
         "--gather-ungrouped",
         action="store_true",
-        help="also time the kernel with one run per program and 16 KiB steps (session 3's shape)",
+        help="also time the kernel with one run per program and 16 KiB steps (the first kernel's shape)",
     )
     p.add_argument("--staged", action="store_true", help="also time gather->copy->scatter through staging buffers")
     p.add_argument("--staged-layers", type=int, default=7, help="layers per pipelined chunk of --staged")

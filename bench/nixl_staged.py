@@ -479,8 +479,9 @@ def render(path: Path) -> str:
 
 
 def run_netns(args, passed: list[str], env: dict, work: str) -> tuple[list[dict], dict]:
-    """Prefill and decode processes in the namespaces of tests/hosts.py (root, iproute2), UCX tcp on their veths."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    """Prefill and decode processes in the namespaces of tests/support/hosts.py (root, iproute2),
+    UCX tcp on their veths."""
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from hosts import network_hosts
 
     env = {k: v for k, v in env.items() if k not in ("UCX_TLS", "UCX_NET_DEVICES")}

@@ -3,9 +3,9 @@
 Issue 18: in CI the prefill worker died 1 time in 4 of SIGSEGV inside UCX once a link cut mid-READ was restored
 (ucp_worker_progress -> uct_tcp_iface_progress -> ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge ->
 ucp_request_memory_dereg, under NIXL's getNotifs). This reproduces the situation of
-tests/test_e2e_hosts.py::test_a_link_cut_while_a_read_is_in_flight_is_recomputed many times per run:
+tests/e2e/test_e2e_hosts.py::test_a_link_cut_while_a_read_is_in_flight_is_recomputed many times per run:
 
-  namespaces    tests/hosts.py: a prefill and a decode namespace on a bridge, UCX over tcp on their veth
+  namespaces    tests/support/hosts.py: a prefill and a decode namespace on a bridge, UCX over tcp on their veth
   prefill       one NixlTransport (kvbridge's) registering a large DRAM region, polling notifications() with
                 backoff as kvbridge's prefill worker does; nothing else
   decode        one NixlTransport posting --reads READs per cut, each a request's scattered blocks (KV_HND
@@ -43,7 +43,8 @@ Policies (what the decode side does with its xfer handles):
     .venv/bin/python bench/ucx_cut_stress.py --name hot-ab-flush --seed 1 --drop close --barrier-s 15 \
         --alternate on --settle-s 0 --down-s 0.3 1.5 --timeout-s 0.3 1.0 --after-s 0.2 --budget-s 270
 
-Each run writes bench/results/ucx-cut-<name>-<stamp>.json. Needs root and iproute2 (like tests/hosts.py); everything
+Each run writes bench/results/ucx-cut-<name>-<stamp>.json. Needs root and iproute2 (like tests/support/hosts.py);
+everything
 it makes (namespaces, veths, bridge, qdiscs, processes) is removed on exit, also on failure.
 """
 
@@ -68,7 +69,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from kvbridge.core.descriptors import worker_descriptors  # noqa: E402
 from kvbridge.core.errors import KVBridgeError  # noqa: E402

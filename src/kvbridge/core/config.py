@@ -101,7 +101,7 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     nixl_prepared_lists: bool | None = None
     """Decode side: post READs through NIXL descriptor lists prepared once per prefill worker (`prep_xfer_dlist`,
     then `make_prepped_xfer` with a request's indices) instead of building each request's descriptors. Off until
-    measured faster where it matters (bench/GPU_RESULTS.md, Session 6). None: the KVBRIDGE_NIXL_PREPARED_LISTS
+    measured faster where it matters (bench/GPU_RESULTS.md). None: the KVBRIDGE_NIXL_PREPARED_LISTS
     environment variable decides ("1": on), for benches and tests."""
 
     nixl_staging_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 36)] = 0

@@ -10,7 +10,8 @@ so each layer names its page format (`LayerKV.page_format`):
 - `PAGE_ROWS` (""): the strides are the truth: plane p, token n is a row of `row_bytes` at
   `p * plane_stride + n * token_stride`.
 - `PAGE_CPU_ATTN` ("cpu_attn"): vLLM 0.32's CPU_ATTN pages (ISAs vec and vec16, checked with vLLM's own
-  `cpu_attn_reshape_and_cache` in tests/test_token_runs.py): each (block, head) page of N tokens holds K channel-major
+  `cpu_attn_reshape_and_cache` in tests/unit/test_token_runs.py): each (block, head) page of N tokens holds K
+  channel-major
   ([head_size][N]: channel c of token n at `(c * N + n) * itemsize`), then V token-major ([N][head_size]), whatever
   the tensor's [blocks, heads, N, 2 * head_size] shape says.
 Any other name is opaque: its pages are copied whole, so both block sizes must be equal.
@@ -38,7 +39,7 @@ TOKEN_FORMATS = (PAGE_ROWS, PAGE_CPU_ATTN)
 """Page formats whose tokens can be addressed one by one."""
 
 VERIFIED_FORMATS = (PAGE_CPU_ATTN,)
-"""Formats checked against their backend's kernel (tests/test_token_runs.py): the only ones whose block sizes the
+"""Formats checked against their backend's kernel (tests/unit/test_token_runs.py): the only ones whose block sizes the
 handshake lets differ. PAGE_ROWS is what strides say, unchecked for any real backend (GPU backends are not run
 here), so a worker that does not name its format gets whole-page copies and equal block sizes only."""
 

@@ -97,7 +97,7 @@ class DecodeWorker:
         """`regions`: `memory`'s regions as tensors (`torch_memory.region_tensors`); with GPU memory they enable
         the CUDA IPC path (config.gpu_peer_copy). `key`: the deployment key (`wire.auth.load_key`).
         `handshake_threads`: the handshakes' own pool (None: half the control threads, at least 1), so that
-        handshakes to silent engines never hold the threads that claim for connected ones (review a5); 0: they
+        handshakes to silent engines never hold the threads that claim for connected ones; 0: they
         share the control pool (the old way, kept for the negative control)."""
         self.identity = identity
         self.memory = memory

@@ -224,7 +224,7 @@ def kv_quantization(vllm_config: VllmConfig) -> dict:
 
 CPU_ATTN_ISAS = ("vec", "vec16")
 """vLLM CPU_ATTN kernel variants whose pages `core.token_runs.PAGE_CPU_ATTN` describes (checked against vLLM's
-`cpu_attn_reshape_and_cache` in tests/test_token_runs.py; amx, neon and the others are not)."""
+`cpu_attn_reshape_and_cache` in tests/unit/test_token_runs.py; amx, neon and the others are not)."""
 
 
 def page_format(vllm_config: VllmConfig) -> str:

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 MAX_PORT = 65535
 DEFAULT_HOST = "127.0.0.1"
 # The defaults of the bounds below are BridgeConfig's (side_channel_max_frame_bytes and its neighbours), which
-# the workers pass in; tests/test_config_bounds.py checks that both agree.
+# the workers pass in; tests/nixl/test_config_bounds.py checks that both agree.
 MAX_REQUEST_BYTES = 256 * 1024
 """Largest frame a side-channel server takes: a handshake request describes one decode worker's memory (a few
 hundred bytes a layer); claims and notifications are far smaller."""
@@ -377,7 +377,7 @@ class ConnectionBound:
     Beyond `per_address` from one address, beyond `limit` in all from the address holding the most, one
     connection of that address is cut: the oldest that never sent an authenticated frame (`authenticated`), or,
     if all did, the new one. So idle connections that never send a frame lock out neither other addresses nor
-    the key holders of their own (a decode on the host of a flooding process: review a11). A cut connection stops
+    the key holders of their own (a decode on the host of a flooding process). A cut connection stops
     counting at once (its close is reported later)."""
 
     def __init__(self, limit: int, per_address: int) -> None:

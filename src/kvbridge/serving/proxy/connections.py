@@ -3,7 +3,7 @@ bound on the connections one client address holds at once.
 
 uvicorn closes a connection that idles between requests (`timeout_keep_alive`) but has no deadline for a head
 that arrives slowly: any byte cancels its keep-alive timer, so a client sending one byte every few seconds holds
-a connection (a file descriptor) for ever (slowloris; review 2026-12-01 §6, probe X5). This is uvicorn's h11
+a connection (a file descriptor) for ever (slowloris). This is uvicorn's h11
 protocol with one more timer, armed when a connection opens and after each response, disarmed once a request's
 head has been read, and closing the connection when it fires first. The body has its own deadline in the app
 (`body_timeout_s`).
