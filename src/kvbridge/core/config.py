@@ -26,7 +26,9 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     side_channel_host: str = "127.0.0.1"
-    """Address the prefill workers' side channels bind to (0.0.0.0 to accept other hosts)."""
+    """Address the prefill workers' side channels bind to: for decode instances on other hosts, this host's address
+    on their network, with a deployment key (a wildcard such as 0.0.0.0 also needs advertise_host and
+    ucx_net_devices)."""
 
     advertise_host: str | None = None
     """Address put in kv_transfer_params for decode instances to reach this prefill instance.
@@ -57,7 +59,8 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     ucx_tls: str | None = "auto"
     """UCX transports (UCX_TLS) unless the environment sets UCX_TLS. "auto": `self,sm,cma,tcp` for KV in host
-    memory (tcp is what lets UCX detect a dead peer), UCX's own choice for GPU memory (cuda_ipc, cuda_copy, rc...);
+    memory (tcp is what lets UCX detect a dead peer; plus cuda_copy on a host with NVIDIA GPUs, where NIXL built for
+    CUDA refuses a setting without a CUDA transport), UCX's own choice for GPU memory (cuda_ipc, cuda_copy, rc...);
     None: UCX's own choice always."""
 
     ucx_net_devices: str | None = None
@@ -101,7 +104,7 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     nixl_prepared_lists: bool | None = None
     """Decode side: post READs through NIXL descriptor lists prepared once per prefill worker (`prep_xfer_dlist`,
     then `make_prepped_xfer` with a request's indices) instead of building each request's descriptors. Off until
-    measured faster where it matters (bench/GPU_RESULTS.md). None: the KVBRIDGE_NIXL_PREPARED_LISTS
+    measured faster where it matters (docs/benchmarks/nixl-descriptors.md). None: the KVBRIDGE_NIXL_PREPARED_LISTS
     environment variable decides ("1": on), for benches and tests."""
 
     nixl_staging_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 36)] = 0

@@ -31,6 +31,7 @@ class ProxyConfig:
     health_interval_s: float = 1.0
     """How often backends out of rotation are probed on /health."""
     health_timeout_s: float = 2.0
+    """Longest wait for one /health request's answer."""
     connect_retries: int = 1
     """Further backends of the same kind to try when a connection cannot be made."""
     max_inflight: int = 256
