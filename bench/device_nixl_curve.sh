@@ -9,7 +9,7 @@
 #    decode worker's one log line naming the emulated transport;
 # 4. tests/gpu/test_gpu_runtime.py (the decode runtime with byte-scaled deadlines).
 # UCX_TLS is set for step 1 because nixl-cu13 refuses self,sm,cma,tcp on a GPU machine (no CUDA transport)
-# (bench/GPU_RESULTS.md). As a whole, this script has not run in one call; its steps have.
+# (docs/benchmarks/nixl-descriptors.md). As a whole, this script has not run in one call; its steps have.
 set -u
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"

@@ -7,7 +7,7 @@
 #    agent on one GPU (--nixl-peer agent/self/process);
 # 3. which UCX protocol each mode's READ got (UCX_PROTO_INFO=y, filtered) into proto.txt.
 # Writes at most 8 files under $OUT (the device tool's limit).
-# Its figures (bench/GPU_RESULTS.md) come from its parts run one by one.
+# Its figures (docs/benchmarks/nixl-descriptors.md) come from its parts run one by one.
 set -u
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"

@@ -4,7 +4,7 @@
 # bench/nixl_staged.py: direct vs staged vs the one-descriptor anchor, side by side, scattered 8k-token requests,
 # block 16/64/128 x TP same/2:1/1:2/4:1, between two processes, twice: UCX cma (self,sm,cma,tcp) and UCX tcp on
 # loopback only; cuda_copy is in both UCX_TLS because nixl-cu13 refuses a UCX_TLS without a CUDA transport on a GPU
-# host (bench/GPU_RESULTS.md). JSONs land in $OUT (default bench/out), with the command and the machine.
+# host (docs/benchmarks/staged-path.md). JSONs land in $OUT (default bench/out), with the command and the machine.
 set -u
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"

@@ -22,7 +22,7 @@ is reported on its own. Every variant is checked byte for byte against a referen
 request's pages equal, every other decode byte untouched). Prints a table; writes the full JSON (command, machine,
 settings, every figure) to --out.
 
-    python3 bench/gpu_transfer.py                      # on nvidia-h200-x2; see bench/GPU_RESULTS.md
+    python3 bench/gpu_transfer.py                      # on nvidia-h200-x2; see docs/benchmarks/gpu-one-node.md
     .venv/bin/python bench/gpu_transfer.py --sim-cpu   # the same logic on CPU buffers (DRAM NIXL, memmove kernel)
 
 One GPU (`--decode-gpu 0`): both sides on cuda:0. `--nixl-peer` says where the prefill agent lives: `process` (the

@@ -13,7 +13,7 @@ together, torch copies of as many bytes as the plan moves between each (prefill 
 at once. `--prefill-gpus`/`--decode-gpus` place the workers one per GPU (issue 6: pp2 on GPUs 0-1, tp2 on 2-3).
 Prints a line per run, writes JSON.
 
-    python3 bench/gpu_workers.py --out DIR        # on nvidia-h200-x2 (nixl wheels carried: see GPU_RESULTS.md)
+    python3 bench/gpu_workers.py --out DIR        # nvidia-h200-x2, nixl wheels carried: docs/benchmarks/device-runs.md
     python3 bench/gpu_workers.py --pairs pp2->tp2 tp2->pp2 --prefill-gpus 0 1 --decode-gpus 2 3 --out DIR  # x4
 """
 

@@ -17,7 +17,7 @@ so the host work of building descriptors or indices is inside the time):
 
 Memory is host DRAM (`--mem DRAM`, UCX self,sm,cma,tcp between the processes: cma is one process_vm_readv per
 descriptor) or GPU memory on one GPU (`--mem VRAM`: UCX's software emulation over tcp/lo on one GPU, see
-bench/GPU_RESULTS.md). All prefill workers of a pair live in the prefill process (one NIXL agent,
+docs/benchmarks/nixl-descriptors.md). All prefill workers of a pair live in the prefill process (one NIXL agent,
 one READ per worker, as the decode worker posts them). Every kvbridge, nixlconn and strided READ is checked byte
 for byte on its first and last repetition.
 
@@ -26,7 +26,7 @@ for byte on its first and last repetition.
 
 On a machine with NVIDIA GPUs, NIXL 1.5.1 (nixl-cu13) refuses to create its UCX backend with UCX_TLS=self,sm,cma,tcp
 ("NVIDIA GPU(s) are present, but this setting does not enable CUDA memory support"): run the DRAM case there with
-UCX_TLS=self,sm,cma,tcp,cuda_copy in the environment (bench/GPU_RESULTS.md).
+UCX_TLS=self,sm,cma,tcp,cuda_copy in the environment (docs/benchmarks/nixl-descriptors.md).
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ UCX_TCP_PURGE_CRASH = (
     "a link cut mid-READ can kill the prefill worker: SIGSEGV in UCX (ucp_worker_progress -> uct_tcp_iface_progress"
     " -> ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge -> ucp_request_memory_dereg, under NIXL's getNotifs)"
     " once the link is back, seen in 1 of 4 CI runs. bench/ucx_cut_stress.py reproduces it when the decode closes its"
-    " endpoint with answers still queued at the prefill, and the decode now posts a flush READ first (bench/NOTES.md);"
+    " endpoint with answers still queued at the prefill, and the decode now posts a flush READ first"
+    " (docs/benchmarks/link-cut.md);"
     " what failed the endpoint in this test is not known (no endpoint is closed before its asserts), so the flush is"
     " not shown to cover it: 5 of 5 passed after it (2026-12-01), too few against 1 in 4"
 )

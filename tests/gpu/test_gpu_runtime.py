@@ -2,7 +2,7 @@
 
 Prefill on cuda:0, decode on cuda:1, or both on cuda:0 with one GPU (two processes still share the memory through
 CUDA IPC). Skipped without a CUDA GPU (CI has none); run on the device machine with the command in
-bench/GPU_RESULTS.md. The same scenarios run on CPU through NIXL in test_transfer_processes.py.
+docs/benchmarks/device-runs.md. The same scenarios run on CPU through NIXL in test_transfer_processes.py.
 """
 
 from dataclasses import replace

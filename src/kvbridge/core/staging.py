@@ -114,7 +114,7 @@ staged parts (8 MiB READs one after another: 0.43 GB/s), and a torch gather of 1
 """
 
 GPU_LINK = StageCostModel(desc_s=5e-6, link_bytes_per_s=100e9, copy_bytes_per_s=300e9)
-"""GPU memory over a GPU transport (UCX cuda_ipc between GPUs, RDMA): 3-5 us per descriptor (bench/GPU_RESULTS.md),
+"""GPU memory over a GPU transport (UCX cuda_ipc between GPUs, RDMA): 3-5 us per descriptor (docs/benchmarks/),
 the link not measured through NIXL here (NVLink moves 390 GB/s; 100 GB/s assumed): staging pays for any
 run below about a megabyte."""
 

@@ -48,7 +48,7 @@ def interface_of(address: str) -> str | None:
 def has_nvidia_gpu() -> bool:
     """Whether the NVIDIA driver shows a GPU here. NIXL built for CUDA then refuses a UCX_TLS without a CUDA
     transport, even for KV in host memory ("NVIDIA GPU(s) are present, but this setting does not enable CUDA
-    memory support"; nixl-cu13 1.5.1 on the device machine, bench/GPU_RESULTS.md)."""
+    memory support"; nixl-cu13 1.5.1 on the device machine, docs/benchmarks/device-runs.md)."""
     try:
         return bool(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 FLOOR_BYTES_PER_S = 0.1e9
 """The slowest rate a load's bytes are assumed to move at when its deadline is set: below the 0.2-0.5 GB/s that
-UCX's software emulation of GPU memory reaches on one GPU (bench/GPU_RESULTS.md), so that a slow
+UCX's software emulation of GPU memory reaches on one GPU (docs/benchmarks/gpu-worker-runtime.md), so that a slow
 transport gives slow loads, not failed ones."""
 
 MAX_EXTRA_S = 300.0

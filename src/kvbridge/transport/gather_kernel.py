@@ -8,7 +8,7 @@ allocation (another region). Several runs per program keep enough bytes in fligh
 and groups rows only when their runs have one length. `ALIGN` (words) tells Triton the addresses' alignment so it
 can use 16-byte accesses; `EVEN` says every run is a multiple of `TILE` words, so no masks are needed at all.
 (Streaming cache hints, `.cg` loads and `.cs` stores, were measured on nvidia-h200-x2 and gained nothing:
-bench/GPU_RESULTS.md.)
+docs/benchmarks/gpu-one-node.md.)
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WORD = 4  # bytes per element the kernel moves (int32); Triton widens aligned runs to 16-byte accesses
-PROGRAM_BYTES = 32768  # what one program moves per loop step, by default (bench/GPU_RESULTS.md)
+PROGRAM_BYTES = 32768  # what one program moves per loop step, by default (docs/benchmarks/gpu-one-node.md)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the row groups of one launch)
 PAIR_PAD = 16  # a request's block pairs are padded to a multiple of this, so no program needs a mask for them
 

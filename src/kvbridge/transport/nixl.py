@@ -71,7 +71,7 @@ class TransportConfig:
     """Readers prepare each peer's descriptor lists once (NIXL's `prep_xfer_dlist`, every run of every block) and
     name a request's runs by index (`make_prepped_xfer`), instead of building and checking descriptor lists per
     request (`initialize_xfer`). Requests whose blocks coalesce well still take the per-request path. Off by
-    default until measured on a GPU (bench/GPU_RESULTS.md)."""
+    default until measured on a GPU (docs/benchmarks/nixl-descriptors.md)."""
 
     def __post_init__(self) -> None:
         if not self.backend:
