@@ -1,4 +1,4 @@
-"""DRAM over UCX tcp between two network namespaces (issue 17, item 4(b)): one request's NIXL READ three ways.
+"""DRAM over UCX tcp between two network namespaces (the path across hosts): one request's NIXL READ three ways.
 
 A prefill process in one namespace registers its KV buffer (host memory, one LBNHC buffer); a decode process in
 the other reads a request's blocks from it over UCX tcp on the namespaces' veth devices (UCX_TLS=tcp: no shared

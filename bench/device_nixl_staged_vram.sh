@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 item 4, goal (a), on the device machine (nvidia-h200, one GPU; through the device tool with carry
+# The staged NIXL path in GPU memory on the device machine (nvidia-h200, one GPU; through the device tool with carry
 # [".whl-min"], from the repository root):
 #   bash bench/device_nixl_staged_vram.sh          # the GPU tests, then every cell: block 16/64/128 x TP same/2:1/1:2/4:1
 #   BENCH_ONLY=1 CHUNK2_KIB=16384 bash bench/device_nixl_staged_vram.sh   # no tests; block 16 again at 16 MiB chunks

@@ -10,7 +10,7 @@ kernel's compilation) and checks every byte it holds against the seeded referenc
 free every request on its readers' notifications (not at lease expiry). Next to each, in the same run: a torch
 copy cuda:0 -> cuda:1 of as many contiguous bytes as one decode worker loads, and, for all decode workers
 together, torch copies of as many bytes as the plan moves between each (prefill GPU, decode GPU) pair, all pairs
-at once. `--prefill-gpus`/`--decode-gpus` place the workers one per GPU (issue 6: pp2 on GPUs 0-1, tp2 on 2-3).
+at once. `--prefill-gpus`/`--decode-gpus` place the workers one per GPU (e.g. pp2 on GPUs 0-1, tp2 on 2-3).
 Prints a line per run, writes JSON.
 
     python3 bench/gpu_workers.py --out DIR        # nvidia-h200-x2, nixl wheels carried: docs/benchmarks/device-runs.md

@@ -1,4 +1,4 @@
-"""Fragmented-block NIXL throughput across block size, TP ratio and request length (issue 17, item 5).
+"""Fragmented-block NIXL throughput across block size, TP ratio and request length.
 
 One request's KV read by decode worker 0 from the prefill workers it needs, over NIXL between two processes,
 scattered blocks on both sides, four ways side by side (each timed from "block ids in hand" to "bytes in place",

@@ -1,4 +1,4 @@
-"""Direct vs staged vs the one-descriptor anchor, side by side in one run (issue 17, items 2 and 4).
+"""Direct vs staged vs the one-descriptor anchor, side by side in one run.
 
 One request's KV read by decode worker 0 from the prefill workers it needs, over NIXL between two processes,
 scattered blocks on both sides (the setup of `bench/nixl_curve.py`, whose helpers this imports), three ways,

@@ -1,6 +1,6 @@
 """Link cuts while NIXL READs are in flight, without vLLM: how often does UCX crash the prefill (target) process?
 
-Issue 18: in CI the prefill worker died 1 time in 4 of SIGSEGV inside UCX once a link cut mid-READ was restored
+In CI the prefill worker died 1 time in 4 of SIGSEGV inside UCX once a link cut mid-READ was restored
 (ucp_worker_progress -> uct_tcp_iface_progress -> ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge ->
 ucp_request_memory_dereg, under NIXL's getNotifs). This reproduces the situation of
 tests/e2e/test_e2e_hosts.py::test_a_link_cut_while_a_read_is_in_flight_is_recomputed many times per run:
