@@ -35,7 +35,8 @@ Modules, one idea each:
     flow         the PD flow of one client request               releases     freeing KV nobody will read
     call         one client request and its reply                app          the Starlette app, the Proxy
     inbound      strict JSON bodies, plain request ids           connections  a deadline for each request's head
-    config       ProxyConfig                                     errors       the JSON errors clients get
+    config       ProxyConfig (typed, bounded)                    errors       the JSON errors clients get
+    flags        the command line, one flag per config field
     metrics      kvbridge_proxy_* metrics                        server       the command line, socket, uvicorn
 """
 
