@@ -29,7 +29,7 @@ def test_every_field_has_a_docstring_and_a_flag_with_it_as_help():
     docs = field_docs(ProxyConfig)
     for info in FIELDS:
         assert docs.get(info.name), f"{info.name} has no docstring"
-        assert actions[info.name].option_strings == [flag(info.name)]
+        assert actions[info.name].option_strings[0] == flag(info.name)
         assert actions[info.name].help == docs[info.name].replace("%", "%%")
 
 

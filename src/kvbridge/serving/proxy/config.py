@@ -11,7 +11,7 @@ address), and one request fans out to at most `max_prompts_per_request` x `max_n
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any, Literal, get_type_hints
 
 import msgspec
 
@@ -106,6 +106,46 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_request_id_chars: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 128
     """A client's x-request-id longer than this, or with characters outside [A-Za-z0-9._:+/=-], is replaced by a
     fresh id (it becomes part of vLLM's request ids and logs)."""
+
+    disaggregation: Literal["always", "selective"] = "always"
+    """always: every request goes through a prefill instance, then a decode instance. selective: a request whose
+    decode instance would compute fewer new tokens than the threshold (its prompt less the prefix that instance
+    likely holds) goes straight to it (`direct_below_tokens`; docs/routing.md). The output is the same either
+    way."""
+
+    direct_below_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] | None = None
+    """With selective disaggregation: a fixed threshold in new tokens (0: never direct). None: learned from the
+    servers' /metrics and the proxy's prefill legs (prefill throughput, transfer time per token, the hop)."""
+
+    direct_initial_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 256
+    """The learned threshold's value until every cost behind it has been measured."""
+
+    metrics_interval_s: Seconds = 2.0
+    """How often the proxy reads the backends' /metrics to learn the costs (selective disaggregation, learned)."""
+
+    routing: Literal["cache_aware", "least_loaded"] = "cache_aware"
+    """cache_aware: the instance that likely holds the longest prefix of the prompt (within `max_imbalance`);
+    least_loaded: the instance with the fewest outstanding requests."""
+
+    sticky: bool = True
+    """cache_aware: a conversation stays on the instance holding its prefix while that instance is within
+    `max_imbalance`; off: a held prefix only breaks ties between instances equally loaded."""
+
+    max_imbalance: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 4
+    """cache_aware: an instance holding the prefix is chosen while its outstanding requests exceed the least loaded
+    instance's by at most this many; beyond it the least loaded instance serves (one hot prefix cannot pile onto
+    one instance)."""
+
+    prefix_block_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+    """Block size of the prefix index, in tokens (text: 4 characters a token)."""
+
+    prefix_index_blocks: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 65536
+    """Block keys remembered per instance (16 bytes each plus overhead); the least recently routed are forgotten
+    first."""
+
+    prefix_ttl_s: Seconds = 600.0
+    """A block key is forgotten this long after it was last routed to the instance (its cache has likely moved
+    on)."""
 
     def __post_init__(self) -> None:
         for name, kind in _field_types(type(self)).items():
