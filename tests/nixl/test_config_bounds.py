@@ -1,13 +1,12 @@
 """Every bound a peer or client controls is a `BridgeConfig` key (issue 15: "defaults that are safe; all
 configurable"): the defaults are the modules' values, an out-of-range value refuses to start naming the key, and a
 changed value takes effect where the bound is enforced (real PrefillWorker and side channel, real NIXL agent). The
-proxy's bounds are its command-line flags, each reaching its `ProxyConfig` field.
+proxy's bounds (`ProxyConfig`, its flags) are checked in tests/unit/test_proxy_config.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
 from kvbridge.runtime.peers import PeerBook
 from kvbridge.runtime.prefill_worker import PrefillWorker
-from kvbridge.serving import proxy, serve
+from kvbridge.serving import serve
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire import params as wire_params
@@ -302,29 +301,6 @@ def test_the_claim_window_is_how_long_a_not_held_request_is_retried(window_s):
     finally:
         decode.close()
         prefill.close()
-
-
-# --- the proxy: every bound is a flag -----------------------------------------------------------------------------
-
-
-def test_every_proxy_setting_is_a_command_line_flag_that_reaches_the_config():
-    parser = argparse.ArgumentParser()
-    proxy.add_arguments(parser)
-    flags = {a.dest: a for a in parser._actions}
-    base = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
-    default = proxy.config_from_args(parser.parse_args(base))
-    for field in dataclasses.fields(proxy.ProxyConfig):
-        if field.name in ("prefill", "decode"):
-            continue
-        dest = field.name.removesuffix("_s") if field.name.removesuffix("_s") in flags else field.name
-        assert dest in flags, f"ProxyConfig.{field.name} has no flag"
-        old = getattr(default, field.name)
-        new = "/tmp/key" if field.name == "auth_key_file" else type(old)(old * 2 + 1)
-        flag = flags[dest].option_strings[0]
-        config = proxy.config_from_args(parser.parse_args([*base, flag, str(new)]))
-        assert getattr(config, field.name) == new, flag
-    with pytest.raises(ConfigError, match="max_body_bytes"):
-        proxy.config_from_args(parser.parse_args([*base, "--max-body-bytes", "0"]))
 
 
 # --- the decode's scheduler side (vLLM's configs as plain namespaces: no server) ---------------------------------

@@ -216,6 +216,7 @@ def running(*apps: Any) -> Iterator[list[ServerThread]]:
 def proxy_for(prefill: list[str], decode: list[str], **config: Any) -> Iterator[tuple[str, Proxy]]:
     """A proxy in a thread, under the uvicorn settings `kvbridge proxy` uses (its connection bounds)."""
     config.setdefault("health_interval_s", 0.1)
+    config.setdefault("routing", "least_loaded")  # the balancing tests; routing tests choose cache_aware
     proxy = Proxy(ProxyConfig(prefill=tuple(prefill), decode=tuple(decode), **config))
     uv = uvicorn_config(proxy, log_level="warning")
     uv.timeout_graceful_shutdown = 1

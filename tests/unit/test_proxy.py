@@ -128,7 +128,7 @@ def test_prefill_and_decode_bodies():
 
 
 def test_config_is_validated():
-    with pytest.raises(ConfigError, match="prefill_timeout_s must be positive"):
+    with pytest.raises(ConfigError, match=r"prefill_timeout_s: Expected `float` > 0.0 \(got 0\)"):
         ProxyConfig(prefill=("http://p",), decode=("http://d",), prefill_timeout_s=0)
     with pytest.raises(ConfigError, match="connect_retries"):
         ProxyConfig(prefill=("http://p",), decode=("http://d",), connect_retries=-1)

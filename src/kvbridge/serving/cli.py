@@ -90,7 +90,7 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "proxy",
-        help="an OpenAI-compatible router: prefill leg, then decode leg",
+        help="an OpenAI-compatible router: prefill leg then decode leg, or straight to a decode instance",
         description=proxy.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

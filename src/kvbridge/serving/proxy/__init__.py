@@ -22,6 +22,12 @@ its /health answers again (health.py); a leg that could not connect is retried o
 kind (`connect_retries`), since nothing was sent. A client that disconnects aborts the legs in flight: the
 upstream connection is closed, which makes vLLM abort the request.
 
+Routing (router.py, docs/routing.md): `--routing cache_aware` (the default) sends a prompt to the instance that
+likely holds its longest prefix (a prefix index per instance, fed by what was routed there), within a load bound;
+`--disaggregation selective` sends a request straight to its decode instance when the tokens that instance would
+compute itself are below a threshold learned from the servers' /metrics (or fixed: `--direct-below-tokens`).
+Each decision is one log line and counted on /metrics; the output never depends on it.
+
 GET /health (200 when each kind has a backend up, else 503; counts only), GET /metrics (Prometheus:
 `kvbridge_proxy_*`), GET /v1/models (from a decode backend).
 
@@ -35,7 +41,10 @@ Modules, one idea each:
     flow         the PD flow of one client request               releases     freeing KV nobody will read
     call         one client request and its reply                app          the Starlette app, the Proxy
     inbound      strict JSON bodies, plain request ids           connections  a deadline for each request's head
-    config       ProxyConfig                                     errors       the JSON errors clients get
+    config       ProxyConfig (typed, bounded)                    errors       the JSON errors clients get
+    flags        the command line, one flag per config field   router       which instances, direct or PD, why
+    prefix_index what prefix an instance likely holds (pure)    costs        the direct-or-PD threshold (pure)
+    scrape       the backends' /metrics read for the costs
     metrics      kvbridge_proxy_* metrics                        server       the command line, socket, uvicorn
 """
 

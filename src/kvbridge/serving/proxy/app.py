@@ -20,6 +20,8 @@ from kvbridge.serving.proxy.inbound import parse_body, request_id
 from kvbridge.serving.proxy.legs import Upstream
 from kvbridge.serving.proxy.metrics import ProxyMetrics
 from kvbridge.serving.proxy.releases import Releaser, read_auth_key
+from kvbridge.serving.proxy.router import Router
+from kvbridge.serving.proxy.scrape import CostScraper
 
 if TYPE_CHECKING:
     import asyncio
@@ -40,12 +42,18 @@ class Proxy:
         self.health = Health(self.balancer, lambda: self.client, config.health_interval_s, config.health_timeout_s)
         self.upstream = Upstream(config, self.balancer, self.health, self.metrics, lambda: self.client)
         self.releaser = Releaser(self.metrics, config.release_timeout_s)
-        self.flow = Flow(self.upstream, self.releaser)
+        self.router = Router(config, self.balancer)
+        self.metrics.watch(self.router)
+        self.flow = Flow(self.upstream, self.releaser, self.router)
+        self.scraper = CostScraper(
+            self.balancer, self.router.learner, lambda: self.client, config.metrics_interval_s, config.health_timeout_s
+        )
         self.inflight = 0
         """Client completion requests being handled (from their arrival)."""
         self._key_loaded = False
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._scrape_task: asyncio.Task[None] | None = None
 
     # lifecycle
 
@@ -72,16 +80,25 @@ class Proxy:
             trust_env=False,  # backends are reached directly, never through an HTTP(S)_PROXY
         )
         self._health_task = asyncio.create_task(self.health.loop(), name="kvbridge-proxy-health")
+        if self.learns_costs:
+            self._scrape_task = asyncio.create_task(self.scraper.loop(), name="kvbridge-proxy-costs")
+
+    @property
+    def learns_costs(self) -> bool:
+        """Selective disaggregation with a learned threshold reads the backends' /metrics."""
+        cfg = self.config
+        return cfg.disaggregation == "selective" and cfg.direct_below_tokens is None
 
     async def close(self) -> None:
         import asyncio
         import contextlib
 
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-            self._health_task = None
+        for task in (self._health_task, self._scrape_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._health_task = self._scrape_task = None
         await self.releaser.drain()
         if self._client is not None:
             await self._client.aclose()

@@ -83,7 +83,10 @@ class Balancer:
 
     def acquire(self, kind: str) -> Backend:
         """Pick a backend and count one outstanding request on it; pair with `release`."""
-        backend = self.pick(kind)
+        return self.take(self.pick(kind))
+
+    def take(self, backend: Backend) -> Backend:
+        """Count one outstanding request on `backend` (chosen by the caller); pair with `release`."""
         backend.outstanding += 1
         backend.picks += 1
         backend.last_pick = self._picks

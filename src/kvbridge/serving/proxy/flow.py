@@ -1,6 +1,6 @@
-"""The PD flow of one client request: for each sub-request (fanout.py) a prefill leg, then a decode leg carrying
-that prefill's kv_transfer_params; the sub-requests run concurrently and their replies become the client's
-(reassembly.py).
+"""The PD flow of one client request: each sub-request (fanout.py) is routed (router.py: logged and counted) either
+straight to a decode instance, unchanged, or through a prefill leg, then a decode leg carrying that prefill's
+kv_transfer_params; the sub-requests run concurrently and their replies become the client's (reassembly.py).
 
 - One sub-request: the decode reply is passed through as it arrives (SSE chunk by chunk, or the JSON).
 - Several, not streamed: all must succeed; the first failure is the client's error and cancels the others.
@@ -10,13 +10,15 @@ that prefill's kv_transfer_params; the sub-requests run concurrently and their r
 
 Every prefill that succeeded and whose decode leg did not read its KV (failed, cancelled, never sent) is released
 at once (releases.py). Backend counts: a sub-request takes one prefill and one decode backend before its prefill
-leg, so that no prefill runs (and holds KV) while no decode backend is up.
+leg, so that no prefill runs (and holds KV) while no decode backend is up. The prefill legs' durations teach the
+router the hop's cost (costs.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,27 +29,28 @@ from kvbridge.serving.proxy.fanout import Plan, SubRequest, decode_body, prefill
 from kvbridge.serving.proxy.legs import Upstream
 from kvbridge.serving.proxy.reassembly import DONE, BadReply, StreamMerger, merge_replies
 from kvbridge.serving.proxy.releases import Hold, Releaser
+from kvbridge.serving.proxy.router import Route, Router
 
 if TYPE_CHECKING:
     import httpx
 
 SSE = "text/event-stream"
+log = logging.getLogger("kvbridge.serving.proxy")
 
 
 class Flow:
-    def __init__(self, upstream: Upstream, releaser: Releaser) -> None:
+    def __init__(self, upstream: Upstream, releaser: Releaser, router: Router) -> None:
         self.upstream = upstream
         self.releaser = releaser
+        self.router = router
         self.balancer = upstream.balancer
         self.metrics = upstream.metrics
         self.config = upstream.config
 
     async def run(self, call: Call, plan: Plan) -> None:
         try:
-            if plan.direct:
-                await self._direct(call, plan.subs[0])
-            elif plan.single:
-                await self._single(call, plan.subs[0])
+            if plan.single:
+                await self._single(call, plan.subs[0], plan)
             elif plan.stream:
                 await self._merged_stream(call, plan)
             else:
@@ -57,50 +60,60 @@ class Flow:
 
     # the legs of one sub-request
 
-    def _acquire(self, kind: str) -> Backend:
+    async def _begin(self, call: Call, sub: SubRequest, plan: Plan) -> tuple[dict[str, Any] | None, Backend]:
+        """Route the sub-request (router.py: logged and counted) and run its prefill leg unless it goes straight to
+        the decode instance. Returns the prefill's params (None: straight to the decode) and the decode backend,
+        whose count the caller then owns."""
         try:
-            return self.balancer.acquire(kind)
+            route = self.router.route(sub.body, call.chat, time.monotonic(), force_direct=plan.direct)
         except NoBackendError as exc:
             raise LegFailed(503, error_json(503, "service_unavailable", str(exc))) from None
-
-    async def _prefill(self, call: Call, sub: SubRequest) -> tuple[dict[str, Any], Backend]:
-        """The prefill leg's params, and the decode backend taken for the decode leg (whose count the caller
-        then owns)."""
-        prefill = self._acquire(PREFILL)
+        self._account(call, sub, route)
+        decode = route.decode.backend
+        if route.prefill is None:
+            return None, decode
+        started = time.monotonic()
         try:
-            decode = self._acquire(DECODE)
-        except LegFailed:
-            self.balancer.release(prefill)
-            raise
-        try:
-            params = await self.upstream.prefill(prefill, call.path, call.headers, prefill_body(sub.body, call.chat))
+            body = prefill_body(sub.body, call.chat)
+            params = await self.upstream.prefill(route.prefill.backend, call.path, call.headers, body)
         except BaseException:
             self.balancer.release(decode)
             raise
+        self.router.learner.prefill_leg(time.monotonic() - started, route.prompt_tokens - route.prefill.held_tokens)
         return params, decode
+
+    def _account(self, call: Call, sub: SubRequest, route: Route) -> None:
+        """Every decision is logged (one line that explains it) and counted."""
+        log.info("route %s choice %d: %s", call.request_id, sub.index, route.line())
+        self.metrics.decisions.labels(route.path, route.reason).inc()
+        picks = [(DECODE, route.decode)] + ([] if route.prefill is None else [(PREFILL, route.prefill)])
+        for kind, pick in picks:
+            self.metrics.routed.labels(kind, pick.backend.name, pick.why).inc()
+            self.metrics.held_tokens.labels(kind).inc(pick.held_tokens)
+        self.metrics.prompt_tokens.labels(route.path).inc(route.prompt_tokens)
 
     async def _decode(self, call: Call, decode: Backend, body: dict[str, Any]) -> tuple[Backend, httpx.Response]:
         return await self.upstream.leg(DECODE, decode, call.path, call.headers, body, self.config.decode_timeout_s)
 
-    def _hold(self, call: Call, sub: SubRequest, params: dict[str, Any]) -> contextlib.AbstractContextManager[Hold]:
+    def _hold(
+        self, call: Call, sub: SubRequest, params: dict[str, Any] | None
+    ) -> contextlib.AbstractContextManager[Hold]:
+        if params is None:  # straight to the decode: no prefill KV to release
+            return contextlib.nullcontext(Hold({}))
         return self.releaser.hold(params, f"request {call.request_id} choice {sub.index}")
+
+    @staticmethod
+    def _decode_body(sub: SubRequest, params: dict[str, Any] | None) -> dict[str, Any]:
+        """The decode leg's body: the sub-request itself when it goes straight to the decode instance."""
+        return sub.body if params is None else decode_body(sub.body, params)
 
     # one sub-request: passed through
 
-    async def _direct(self, call: Call, sub: SubRequest) -> None:
-        """No prefill leg: the decode server prefills this request itself."""
-        backend, resp = await self._decode(call, self._acquire(DECODE), sub.body)
-        try:
-            await self._relay(call, backend, resp, Hold({}))
-        finally:
-            self.balancer.release(backend)
-            await close_shielded(resp)
-
-    async def _single(self, call: Call, sub: SubRequest) -> None:
-        params, decode = await self._prefill(call, sub)
+    async def _single(self, call: Call, sub: SubRequest, plan: Plan) -> None:
+        params, decode = await self._begin(call, sub, plan)
         started = time.monotonic()
         with self._hold(call, sub, params) as held:
-            backend, resp = await self._decode(call, decode, decode_body(sub.body, params))
+            backend, resp = await self._decode(call, decode, self._decode_body(sub, params))
             try:
                 await self._relay(call, backend, resp, held)
             finally:
@@ -159,7 +172,7 @@ class Flow:
 
         async def one(sub: SubRequest, scope: anyio.CancelScope) -> None:
             try:
-                replies[sub.index] = await self._sub_json(call, sub)
+                replies[sub.index] = await self._sub_json(call, sub, plan)
             except LegFailed as failure:
                 failures.append(failure)
                 scope.cancel()  # the client gets this error: the siblings' work is for nothing
@@ -176,13 +189,13 @@ class Flow:
         self.metrics.first_byte_seconds.observe(time.monotonic() - call.arrived)
         await call.reply(200, json.dumps(merged, ensure_ascii=False).encode())
 
-    async def _sub_json(self, call: Call, sub: SubRequest) -> Any:
+    async def _sub_json(self, call: Call, sub: SubRequest, plan: Plan) -> Any:
         import httpx
 
-        params, decode = await self._prefill(call, sub)
+        params, decode = await self._begin(call, sub, plan)
         started = time.monotonic()
         with self._hold(call, sub, params) as held:
-            backend, resp = await self._decode(call, decode, decode_body(sub.body, params))
+            backend, resp = await self._decode(call, decode, self._decode_body(sub, params))
             held.consumed = True
             try:
                 content = await resp.aread()
@@ -211,7 +224,7 @@ class Flow:
         async with anyio.create_task_group() as tasks:
             try:
                 for sub in plan.subs:
-                    tasks.start_soon(self._sub_stream, call, sub, send.clone())
+                    tasks.start_soon(self._sub_stream, call, sub, plan, send.clone())
                 send.close()
                 async with receive:
                     async for k, item in receive:
@@ -231,17 +244,17 @@ class Flow:
             finally:
                 tasks.cancel_scope.cancel()
 
-    async def _sub_stream(self, call: Call, sub: SubRequest, send: Any) -> None:
+    async def _sub_stream(self, call: Call, sub: SubRequest, plan: Plan, send: Any) -> None:
         """Sub-stream `sub`'s chunks into `send` as (index, bytes), then (index, None); or (index, LegFailed)."""
         import anyio
         import httpx
 
         async with send:
             try:
-                params, decode = await self._prefill(call, sub)
+                params, decode = await self._begin(call, sub, plan)
                 started = time.monotonic()
                 with self._hold(call, sub, params) as held:
-                    backend, resp = await self._decode(call, decode, decode_body(sub.body, params))
+                    backend, resp = await self._decode(call, decode, self._decode_body(sub, params))
                     chunks = resp.aiter_raw()
                     try:
                         async for chunk in chunks:

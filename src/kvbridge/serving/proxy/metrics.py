@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvbridge.serving.proxy.balancer import Balancer
+from kvbridge.serving.proxy.router import Router
 
 
 class ProxyMetrics:
     def __init__(self, balancer: Balancer) -> None:
+        """`watch(router)` adds the router's gauges (threshold, learned costs, prefix index sizes)."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry(auto_describe=False)
@@ -68,7 +70,35 @@ class ProxyMetrics:
             buckets=buckets,
             registry=self.registry,
         )
+        self.decisions = Counter(
+            "kvbridge_proxy_decisions",
+            "Sub-requests by path (direct: straight to a decode instance; disaggregated: prefill then decode) and "
+            "reason (below_threshold, at_or_above_threshold, always, prompt_logprobs)",
+            ["path", "reason"],
+            registry=self.registry,
+        )
+        self.routed = Counter(
+            "kvbridge_proxy_routed",
+            "Legs routed, per leg, backend and why that backend (prefix, least_loaded, overloaded, balancer)",
+            ["leg", "backend", "why"],
+            registry=self.registry,
+        )
+        self.held_tokens = Counter(
+            "kvbridge_proxy_estimated_held_tokens",
+            "Prompt tokens the chosen instance was estimated to hold already (its prefix index), per leg",
+            ["leg"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvbridge_proxy_estimated_prompt_tokens",
+            "Prompt tokens routed (estimated for text: 4 characters a token), per path",
+            ["path"],
+            registry=self.registry,
+        )
         self.registry.register(_BalancerCollector(balancer))
+
+    def watch(self, router: Router) -> None:
+        self.registry.register(_RouterCollector(router))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -95,3 +125,37 @@ class _BalancerCollector:
             inflight.add_metric([b.kind, b.name], float(b.outstanding))
         yield up
         yield inflight
+
+
+class _RouterCollector:
+    """The router's state at scrape time: the threshold for an idle decode instance, the learned costs (NaN until
+    measured) and each instance's prefix index size."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        costs = self.router.learner.costs
+        threshold = self.router.threshold(0)
+        nan = float("nan")
+        for name, doc, value in (
+            (
+                "direct_threshold_tokens",
+                "New tokens below which a request goes straight to an idle decode instance (NaN: always disaggregated)",
+                threshold,
+            ),
+            ("prefill_tokens_per_second", "Learned prefill throughput", costs.prefill_tokens_per_s),
+            ("transfer_seconds_per_token", "Learned KV transfer time per token", costs.transfer_s_per_token),
+            ("hop_seconds", "Learned cost of the prefill hop beyond its compute", costs.hop_s),
+        ):
+            yield GaugeMetricFamily(f"kvbridge_proxy_{name}", doc, value=nan if value is None else value)
+        blocks = GaugeMetricFamily(
+            "kvbridge_proxy_prefix_index_blocks",
+            "Block keys in each instance's prefix index",
+            labels=["leg", "backend"],
+        )
+        for b, index in self.router.indexes.items():
+            blocks.add_metric([b.kind, b.name], float(len(index)))
+        yield blocks

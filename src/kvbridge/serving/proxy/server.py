@@ -13,6 +13,7 @@ from kvbridge.serving.proxy.app import Proxy
 from kvbridge.serving.proxy.balancer import KINDS
 from kvbridge.serving.proxy.config import ProxyConfig
 from kvbridge.serving.proxy.connections import head_timeout_protocol
+from kvbridge.serving.proxy.flags import add_config_arguments, config_from_namespace
 
 log = logging.getLogger("kvbridge.serving.proxy")
 
@@ -38,145 +39,16 @@ def socket_url(sock: socket.socket) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = ProxyConfig(prefill=("http://x",), decode=("http://y",))
-    p.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill backend (repeat)")
-    p.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode backend (repeat)")
+    """`kvbridge proxy`'s flags: where it listens and logs, then one flag per `ProxyConfig` field (flags.py)."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
-    p.add_argument(
-        "--connect-timeout", type=float, default=d.connect_timeout_s, metavar="S", help="connecting to a backend"
-    )
-    p.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s, metavar="S", help="whole prefill leg")
-    p.add_argument(
-        "--decode-timeout",
-        type=float,
-        default=d.decode_timeout_s,
-        metavar="S",
-        help="longest wait for the decode backend's next bytes (the whole reply when not streaming)",
-    )
-    p.add_argument(
-        "--health-interval", type=float, default=d.health_interval_s, metavar="S", help="probing backends that are down"
-    )
-    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s, metavar="S", help="one /health probe")
-    p.add_argument(
-        "--connect-retries",
-        type=int,
-        default=d.connect_retries,
-        metavar="N",
-        help="other backends of the kind to try when connecting fails",
-    )
-    p.add_argument(
-        "--max-inflight",
-        type=int,
-        default=d.max_inflight,
-        metavar="N",
-        help="client requests handled at once, more get 503 (0: no limit)",
-    )
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="N", help="largest request body")
-    p.add_argument(
-        "--max-connections", type=int, default=d.max_connections, metavar="N", help="to all backends together"
-    )
-    p.add_argument(
-        "--backend-keepalive",
-        type=float,
-        default=d.backend_keepalive_s,
-        metavar="S",
-        help="reuse idle backend connections for up to S seconds (0: a connection per leg; keep S well under the"
-        " backends' keep-alive timeout)",
-    )
-    p.add_argument(
-        "--max-prompts-per-request",
-        type=int,
-        default=d.max_prompts_per_request,
-        metavar="N",
-        help="prompts in one completions request (each has its own prefill leg)",
-    )
-    p.add_argument("--max-n", type=int, default=d.max_n, metavar="N", help="largest n (each choice has its own legs)")
-    p.add_argument(
-        "--auth-key-file",
-        default=d.auth_key_file,
-        metavar="PATH",
-        help="the deployment key (as the connectors' auth_key_file): releases of prefill KV are sealed with it",
-    )
-    p.add_argument(
-        "--release-timeout",
-        type=float,
-        default=d.release_timeout_s,
-        metavar="S",
-        help="longest wait for prefill workers to acknowledge a release",
-    )
-    p.add_argument(
-        "--head-timeout", type=float, default=d.head_timeout_s, metavar="S", help="a client's request line and headers"
-    )
-    p.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S", help="a client's whole body")
-    p.add_argument(
-        "--keepalive-timeout",
-        type=float,
-        default=d.keepalive_timeout_s,
-        metavar="S",
-        help="an idle client connection between requests",
-    )
-    p.add_argument(
-        "--max-header-bytes", type=int, default=d.max_header_bytes, metavar="N", help="request line plus headers"
-    )
-    p.add_argument(
-        "--max-client-connections",
-        type=int,
-        default=d.max_client_connections,
-        metavar="N",
-        help="client connections served at once (more get 503)",
-    )
-    p.add_argument(
-        "--max-connections-per-client",
-        type=int,
-        default=d.max_connections_per_client,
-        metavar="N",
-        help="client connections one address may hold at once, more get 429 (0: no limit)",
-    )
-    p.add_argument(
-        "--max-json-depth", type=int, default=d.max_json_depth, metavar="N", help="deepest nesting in a request body"
-    )
-    p.add_argument(
-        "--max-request-id-chars",
-        type=int,
-        default=d.max_request_id_chars,
-        metavar="N",
-        help="longer client x-request-ids are replaced by fresh ones",
-    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request")
+    add_config_arguments(p.add_argument_group("settings (ProxyConfig)"))
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    def urls(values: list[str]) -> tuple[str, ...]:
-        return tuple(u for v in values for u in v.split(",") if u.strip())
-
-    return ProxyConfig(
-        prefill=urls(args.prefill),
-        decode=urls(args.decode),
-        connect_timeout_s=args.connect_timeout,
-        prefill_timeout_s=args.prefill_timeout,
-        decode_timeout_s=args.decode_timeout,
-        health_interval_s=args.health_interval,
-        health_timeout_s=args.health_timeout,
-        connect_retries=args.connect_retries,
-        max_inflight=args.max_inflight,
-        max_body_bytes=args.max_body_bytes,
-        max_connections=args.max_connections,
-        backend_keepalive_s=args.backend_keepalive,
-        max_prompts_per_request=args.max_prompts_per_request,
-        max_n=args.max_n,
-        auth_key_file=args.auth_key_file,
-        release_timeout_s=args.release_timeout,
-        head_timeout_s=args.head_timeout,
-        body_timeout_s=args.body_timeout,
-        keepalive_timeout_s=args.keepalive_timeout,
-        max_header_bytes=args.max_header_bytes,
-        max_client_connections=args.max_client_connections,
-        max_connections_per_client=args.max_connections_per_client,
-        max_json_depth=args.max_json_depth,
-        max_request_id_chars=args.max_request_id_chars,
-    )
+    return config_from_namespace(args, ProxyConfig)
 
 
 def uvicorn_config(proxy: Proxy, log_level: str = "info", access_log: bool = False) -> Any:

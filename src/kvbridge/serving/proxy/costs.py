@@ -1,0 +1,131 @@
+"""When a request is cheaper served by its decode instance alone: the costs the proxy measures, and the threshold
+they give (pure: samples in, numbers out).
+
+Disaggregating a request whose decode instance would compute `new` tokens itself costs that request a prefill hop
+(`hop_s`: the prefill leg's time beyond its compute, and the decode's load set-up) plus the transfer of those
+tokens (`new * transfer_s_per_token`); it spares the decode instance `new / prefill_tokens_per_s` seconds of
+compute, during which every request it is running waits. So a request goes straight to the decode instance when
+
+    new / prefill_tokens_per_s * (1 + running)  <  hop_s + new * transfer_s_per_token
+
+that is, when `new` is below
+
+    threshold = hop_s / ((1 + running) / prefill_tokens_per_s - transfer_s_per_token)
+
+(no limit when the transfer is not cheaper than computing). `running`: the decode instance's requests in flight.
+
+Where the numbers come from:
+- prefill_tokens_per_s: the prefill instances' own /metrics, tokens computed
+  (`vllm:prompt_tokens_by_source_total{source="local_compute"}`) over prefill time
+  (`vllm:request_prefill_time_seconds_sum`), between two reads;
+- transfer_s_per_token: the decode instances' `vllm:kvbridge_transfer_seconds` (mean per load) over the tokens one
+  load brought (`...{source="external_kv_transfer"}` over `vllm:kvbridge_transfers_total`);
+- hop_s: the proxy's own prefill legs, their duration less the compute their new tokens took at that rate.
+Each is a moving average (`ALPHA`); until all three are known the threshold is the configured initial one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ALPHA = 0.3
+"""Weight of a new measurement in the moving averages."""
+SOURCE = "vllm:prompt_tokens_by_source_total"
+PREFILL_TIME = "vllm:request_prefill_time_seconds_sum"
+TRANSFER_SUM = "vllm:kvbridge_transfer_seconds_sum"
+TRANSFER_COUNT = "vllm:kvbridge_transfer_seconds_count"
+TRANSFERS = "vllm:kvbridge_transfers_total"
+MIN_TOKENS = 64
+"""Fewer new tokens between two reads than this teach nothing (noise)."""
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+
+@dataclass
+class Costs:
+    prefill_tokens_per_s: float | None = None
+    transfer_s_per_token: float | None = None
+    hop_s: float | None = None
+
+    @property
+    def known(self) -> bool:
+        return None not in (self.prefill_tokens_per_s, self.transfer_s_per_token, self.hop_s)
+
+    def threshold(self, running: int) -> float | None:
+        """New tokens below which the decode instance computes a request itself; inf: always; None: unknown."""
+        if not self.known:
+            return None
+        assert self.prefill_tokens_per_s and self.transfer_s_per_token is not None and self.hop_s is not None
+        saved_per_token = (1 + running) / self.prefill_tokens_per_s - self.transfer_s_per_token
+        if saved_per_token <= 0:
+            return float("inf")
+        return self.hop_s / saved_per_token
+
+    def describe(self) -> str:
+        def show(value: float | None, scale: float, unit: str, digits: int) -> str:
+            return "?" if value is None else f"{value * scale:.{digits}f} {unit}"
+
+        return (
+            f"prefill {show(self.prefill_tokens_per_s, 1, 'tok/s', 0)}, "
+            f"transfer {show(self.transfer_s_per_token, 1e6, 'us/tok', 2)}, hop {show(self.hop_s, 1e3, 'ms', 1)}"
+        )
+
+
+Sample = tuple[str, Mapping[str, str], float]
+"""One Prometheus sample: name, labels, value."""
+
+
+def series(samples: Sequence[Sample], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items()))
+
+
+class CostLearner:
+    """Folds metric reads and prefill leg durations into `costs`. A backend's previous read is kept per name, so
+    that each measurement is the difference between two reads of one server (restarts: a counter that went back is
+    a fresh start, not a measurement)."""
+
+    def __init__(self) -> None:
+        self.costs = Costs()
+        self._last: dict[str, dict[str, float]] = {}
+
+    def _delta(self, backend: str, keys: Mapping[str, float]) -> dict[str, float] | None:
+        last = self._last.get(backend)
+        self._last[backend] = dict(keys)
+        if last is None:
+            return None
+        out = {k: keys[k] - last.get(k, 0.0) for k in keys}
+        return None if any(v < 0 for v in out.values()) else out
+
+    def prefill_read(self, backend: str, samples: Sequence[Sample]) -> None:
+        keys = {
+            "computed": series(samples, SOURCE, source="local_compute"),
+            "seconds": series(samples, PREFILL_TIME),
+        }
+        d = self._delta(backend, keys)
+        if d and d["computed"] >= MIN_TOKENS and d["seconds"] > 0:
+            rate = d["computed"] / d["seconds"]
+            self.costs.prefill_tokens_per_s = _ewma(self.costs.prefill_tokens_per_s, rate)
+
+    def decode_read(self, backend: str, samples: Sequence[Sample]) -> None:
+        keys = {
+            "loaded": series(samples, SOURCE, source="external_kv_transfer"),
+            "transfers": series(samples, TRANSFERS),
+            "seconds": series(samples, TRANSFER_SUM),
+            "loads": series(samples, TRANSFER_COUNT),
+        }
+        d = self._delta(backend, keys)
+        if d and d["loaded"] >= MIN_TOKENS and d["transfers"] > 0 and d["loads"] > 0:
+            per_load_s = d["seconds"] / d["loads"]
+            tokens_per_transfer = d["loaded"] / d["transfers"]
+            self.costs.transfer_s_per_token = _ewma(self.costs.transfer_s_per_token, per_load_s / tokens_per_transfer)
+
+    def prefill_leg(self, seconds: float, new_tokens: int) -> None:
+        """A prefill leg took `seconds` for an estimated `new_tokens` computed: the rest is the hop."""
+        rate = self.costs.prefill_tokens_per_s
+        if rate is None:
+            return
+        self.costs.hop_s = _ewma(self.costs.hop_s, max(0.0, seconds - new_tokens / rate))

@@ -1,0 +1,142 @@
+"""Where one sub-request goes: which decode instance, whether a prefill leg first (and on which prefill instance),
+and why, in one `Route` whose `line()` explains it (pure: the balancer's counts, the prefix indexes, the costs;
+the caller passes the clock).
+
+Picking an instance of a kind (`routing`):
+- `least_loaded`: the balancer's choice (fewest outstanding requests, then the least recently picked).
+- `cache_aware`: the instance whose prefix index holds the longest prefix of the prompt, as long as its outstanding
+  requests exceed the least loaded instance's by at most `max_imbalance` (so one hot prefix cannot pile onto one
+  instance); ties and no match at all: the least loaded. With `sticky` (the default) any held prefix keeps a
+  conversation where it is within that bound; without it a held prefix only breaks ties between instances
+  equally loaded.
+
+Deciding the path (`disaggregation`): `always` sends every sub-request through a prefill instance; `selective`
+estimates the tokens the chosen decode instance would compute itself (the prompt less the prefix it likely holds)
+and sends the request straight to it when that is below the threshold (`direct_below_tokens`, or learned:
+costs.py). A request vLLM would not read transferred KV for (prompt logprobs) goes straight to the decode instance
+in every mode. Straight to the decode is the client's sub-request unchanged, so the choice never changes an output.
+
+Every instance a request is routed to learns the prompt's blocks: the decode instance of either path, the prefill
+instance of a disaggregated one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.serving.proxy.balancer import DECODE, PREFILL, Backend, Balancer, NoBackendError
+from kvbridge.serving.proxy.config import ProxyConfig
+from kvbridge.serving.proxy.costs import CostLearner
+from kvbridge.serving.proxy.prefix_index import PrefixIndex, PromptBlocks, prompt_blocks
+
+DIRECT = "direct"
+DISAGGREGATED = "disaggregated"
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One instance chosen for a leg, and why."""
+
+    backend: Backend
+    held_tokens: int
+    """Tokens of the prompt the instance likely holds (its prefix index)."""
+    why: str
+    """`prefix` (it holds the longest prefix), `least_loaded` (no better holder), `overloaded` (a holder was over
+    `max_imbalance`), `balancer` (least_loaded routing)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: Pick
+    prefill: Pick | None
+    """None: straight to the decode instance."""
+    prompt_tokens: int
+    new_tokens: int
+    """Tokens the decode instance would compute itself (the prompt less what it holds)."""
+    threshold: float | None
+    """Below it: direct. None when not deciding (`always`, prompt logprobs)."""
+    reason: str
+    """below_threshold, at_or_above_threshold, always, prompt_logprobs."""
+    costs: str
+
+    @property
+    def path(self) -> str:
+        return DIRECT if self.prefill is None else DISAGGREGATED
+
+    def line(self) -> str:
+        """The decision in one log line."""
+        threshold = "-" if self.threshold is None else f"{self.threshold:.0f}"
+        prefill = "" if self.prefill is None else f" prefill={self.prefill.backend.name}({self.prefill.why}, held "
+        prefill += "" if self.prefill is None else f"{self.prefill.held_tokens})"
+        return (
+            f"path={self.path} reason={self.reason} decode={self.decode.backend.name}({self.decode.why}, held "
+            f"{self.decode.held_tokens}){prefill} prompt={self.prompt_tokens} new={self.new_tokens} "
+            f"threshold={threshold} running={self.decode.backend.outstanding - 1} [{self.costs}]"
+        )
+
+
+class Router:
+    def __init__(self, config: ProxyConfig, balancer: Balancer) -> None:
+        self.config = config
+        self.balancer = balancer
+        self.learner = CostLearner()
+        self.indexes = {b: PrefixIndex(config.prefix_index_blocks, config.prefix_ttl_s) for b in balancer.backends()}
+
+    def threshold(self, running: int) -> float | None:
+        """The current threshold for a decode instance running `running` requests (None: `always`)."""
+        cfg = self.config
+        if cfg.disaggregation == "always":
+            return None
+        if cfg.direct_below_tokens is not None:
+            return float(cfg.direct_below_tokens)
+        learned = self.learner.costs.threshold(running)
+        return float(cfg.direct_initial_tokens) if learned is None else learned
+
+    def route(self, body: Mapping[str, Any], chat: bool, now: float, force_direct: bool = False) -> Route:
+        """Choose and count (`Balancer.take`) the decode instance and, unless direct, the prefill instance; the
+        caller releases each. NoBackendError when a kind needed has none up (nothing is counted then)."""
+        blocks = prompt_blocks(body, chat, self.config.prefix_block_tokens)
+        decode = self._pick(DECODE, blocks, now)
+        new = blocks.tokens - decode.held_tokens
+        threshold = None if force_direct else self.threshold(decode.backend.outstanding)
+        if force_direct:
+            reason = "prompt_logprobs"
+        elif threshold is None:
+            reason = "always"
+        else:
+            reason = "below_threshold" if new < threshold else "at_or_above_threshold"
+        prefill = None
+        if reason not in ("below_threshold", "prompt_logprobs"):
+            prefill = self._pick(PREFILL, blocks, now)  # raises before anything is counted
+        self.balancer.take(decode.backend)
+        self.indexes[decode.backend].add(blocks.keys, now)
+        if prefill is not None:
+            self.balancer.take(prefill.backend)
+            self.indexes[prefill.backend].add(blocks.keys, now)
+        return Route(decode, prefill, blocks.tokens, new, threshold, reason, self.learner.costs.describe())
+
+    def _pick(self, kind: str, blocks: PromptBlocks, now: float) -> Pick:
+        least = self.balancer.pick(kind)  # NoBackendError when none is up
+        if self.config.routing == "least_loaded":
+            return Pick(least, self._held(least, blocks, now), "balancer")
+        held = {b: self._held(b, blocks, now) for b in self.balancer.up(kind)}
+        best = max(held.values())
+        if best == 0:
+            return Pick(least, 0, "least_loaded")
+        bound = least.outstanding + self.config.max_imbalance
+        if not self.config.sticky:
+            bound = least.outstanding
+        holders = [b for b in held if held[b] == best]
+        fit = [b for b in holders if b.outstanding <= bound]
+        if not fit:
+            return Pick(least, held[least], "overloaded")
+        chosen = min(fit, key=lambda b: (b.outstanding, b.last_pick, b.index))
+        return Pick(chosen, best, "prefix")
+
+    def _held(self, backend: Backend, blocks: PromptBlocks, now: float) -> int:
+        return blocks.held_tokens(self.indexes[backend].match(blocks.keys, now))
+
+
+__all__ = ["DIRECT", "DISAGGREGATED", "NoBackendError", "Pick", "Route", "Router"]
