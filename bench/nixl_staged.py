@@ -53,6 +53,7 @@ from kvbridge.core.segments import worker_segments  # noqa: E402
 from kvbridge.core.staging import StageCostModel, cost_model  # noqa: E402
 from kvbridge.core.topology import ParallelLayout, WorkerRank  # noqa: E402
 from kvbridge.runtime.load import Load, LoadJob  # noqa: E402
+from kvbridge.runtime.nixl_reader import NixlReader  # noqa: E402
 from kvbridge.runtime.peers import Peer  # noqa: E402
 from kvbridge.runtime.staged_reads import StagedReads  # noqa: E402
 from kvbridge.runtime.staging import Stager  # noqa: E402
@@ -129,16 +130,6 @@ def prefill_main(args) -> None:
         server.close()
     for stager in stagers.values():
         stager.close()
-
-
-class _Reads:
-    """What StagedReads needs of NixlReads: the transport and its lock."""
-
-    def __init__(self, transport: NixlTransport) -> None:
-        import threading
-
-        self.transport = transport
-        self._lock = threading.Lock()
 
 
 def copy_rate(args) -> dict:
@@ -221,7 +212,7 @@ def decode_main(args, child=None) -> list[dict]:
     with NixlTransport("staged-decode", transport_config(args.device, args.mem)) as transport:
         transport.register(dst.memory(), args.mem)
         peer_name = transport.add_peer((work / "prefill.meta").read_bytes())
-        reads = _Reads(transport)
+        reads = NixlReader(transport, "bench-decode", args.mem)
         t_start = time.monotonic()
         contexts = {}
         for bs in args.block_sizes:
@@ -242,7 +233,7 @@ def decode_main(args, child=None) -> list[dict]:
                 if key not in staged_by_mem:
                     ident = WorkerIdentity("bench-decode", plan.decode, 0, DECODE, plan.geometry)
                     staged = StagedReads(ident, dst_mem, staging_config(args), reads, None, model, regions)
-                    with reads._lock:
+                    with reads.lock:
                         staged.start()
                     staged_by_mem[key] = staged
                 staged = staged_by_mem[key]

@@ -7,6 +7,7 @@ nothing outside the standard library, numpy and msgspec.
 from __future__ import annotations
 
 import ast
+import graphlib
 import shutil
 import sys
 from pathlib import Path
@@ -36,14 +37,15 @@ def module_name(path: Path, root: Path = PACKAGE) -> str:
     return ".".join(parts)
 
 
-def imports(path: Path, root: Path = PACKAGE) -> list[str]:
-    """Every module name `path` imports, relative imports (`from ..vllm import x`) resolved to absolute names."""
+def _import_statements(path: Path, root: Path) -> list[tuple[str, list[str], bool]]:
+    """Per import statement in `path`: the module it names (relative imports resolved to absolute names), the names
+    it imports from that module (`from m import a, b`: ["a", "b"]; `import m`: []), and whether it is relative."""
     own = module_name(path, root).split(".")
     package = own if path.name == "__init__.py" else own[:-1]
-    names = []
+    statements = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
+            statements += [(alias.name, [], False) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 if node.level - 1 >= len(package):
@@ -52,9 +54,17 @@ def imports(path: Path, root: Path = PACKAGE) -> list[str]:
                 module = f"{base}.{node.module}" if node.module else base
             else:
                 module = node.module or ""
-            names.append(module)
-            if module == "kvbridge" or (node.level and not node.module):  # `from kvbridge import x`, `from .. import x`
-                names += [f"{module}.{alias.name}" for alias in node.names]
+            statements.append((module, [alias.name for alias in node.names], bool(node.level and not node.module)))
+    return statements
+
+
+def imports(path: Path, root: Path = PACKAGE) -> list[str]:
+    """Every module name `path` imports, relative imports (`from ..vllm import x`) resolved to absolute names."""
+    names = []
+    for module, aliases, bare_relative in _import_statements(path, root):
+        names.append(module)
+        if module == "kvbridge" or bare_relative:  # `from kvbridge import x`, `from .. import x`
+            names += [f"{module}.{alias}" for alias in aliases]
     return names
 
 
@@ -142,3 +152,75 @@ def test_the_check_notices_an_upward_import(tmp_path):
         str(p.relative_to(root)) for p in sorted(root.rglob("*.py")) if wrong_imports(p, package_of(p, root), root)
     }
     assert reported == {"core/bad.py"}
+
+
+# -- the import graph of modules has no cycle --------------------------------------------------------------------
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the kvbridge modules it imports, anywhere in its source (under TYPE_CHECKING and inside functions
+    too). `from a.b import c` points at the module a.b.c where there is one (a submodule), else at a.b."""
+    paths = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for module, aliases, _ in _import_statements(path, root):
+            submodules = {f"{module}.{alias}" for alias in aliases} & paths.keys()
+            targets |= submodules
+            if len(submodules) < len(aliases) or not aliases:  # a name from the module, or `import module`
+                targets.add(module)
+        graph[name] = (targets & paths.keys()) - {name}
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of imports in `graph` (its modules in order, the first repeated at the end), or [] if none."""
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        return list(reversed(exc.args[1]))
+    return []
+
+
+def test_the_modules_import_each_other_without_a_cycle():
+    graph = import_graph()
+    assert "kvbridge.runtime.staged_reads" in graph
+    assert import_cycle(graph) == []
+
+
+def test_the_cycle_check_notices_a_cycle(tmp_path):
+    """Negative controls: a synthetic cycle is caught, and so is one put back into a copy of the package (the staged
+    path importing the direct one under TYPE_CHECKING, which imports it at run time)."""
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) in (
+        ["a", "b", "c", "a"],
+        ["b", "c", "a", "b"],
+        ["c", "a", "b", "c"],
+    )
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) == []
+    root = tmp_path / "kvbridge"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
+    staged = root / "runtime" / "staged_reads.py"
+    staged.write_text(
+        staged.read_text() + "\nif TYPE_CHECKING:\n    from kvbridge.runtime.nixl_reads import NixlReads  # noqa\n"
+    )
+    cycle = import_cycle(import_graph(root))
+    assert set(cycle) == {"kvbridge.runtime.nixl_reads", "kvbridge.runtime.staged_reads"}, cycle
+
+
+def test_a_submodule_imported_from_its_package_points_at_the_submodule(tmp_path):
+    """`from kvbridge.serving.proxy import fanout` in proxy/app.py points at proxy/fanout.py, not at the package's
+    __init__ (which imports app.py): no cycle is reported where Python has none."""
+    root = tmp_path / "kvbridge"
+    (root / "serving" / "proxy").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "serving" / "__init__.py").write_text("")
+    (root / "serving" / "proxy" / "__init__.py").write_text("from kvbridge.serving.proxy.app import App\n")
+    (root / "serving" / "proxy" / "fanout.py").write_text("X = 1\n")
+    (root / "serving" / "proxy" / "app.py").write_text(
+        "from kvbridge.serving.proxy import fanout\nfrom . import fanout as f2\nclass App: ...\n"
+    )
+    graph = import_graph(root)
+    assert graph["kvbridge.serving.proxy.app"] == {"kvbridge.serving.proxy.fanout"}
+    assert import_cycle(graph) == []
+    (root / "serving" / "proxy" / "fanout.py").write_text("from kvbridge.serving.proxy import App\n")
+    assert import_cycle(import_graph(root)) != []

@@ -191,7 +191,7 @@ def test_prepared_reads_move_exactly_the_requests_bytes(pair, layout):
 def test_the_decode_runtime_reads_through_prepared_lists(prefill, decode, heads, monkeypatch):
     """The same checks as test_transfer_processes, with KVBRIDGE_NIXL_PREPARED_LISTS=1 in every worker process
     (scattered blocks: each read goes through its peer's prepared lists; two requests reuse them)."""
-    from kvbridge.runtime.nixl_reads import PREPARED_LISTS_ENV
+    from kvbridge.runtime.prepared_reads import PREPARED_LISTS_ENV
     from kvbridge.testing.transfer_scenario import Scenario, release_problems, run_transfer
 
     monkeypatch.setenv(PREPARED_LISTS_ENV, "1")
@@ -214,7 +214,7 @@ def test_the_decode_runtime_reads_through_prepared_lists(prefill, decode, heads,
 
 def test_the_switch_is_off_unless_asked_for(monkeypatch):
     from kvbridge.core.config import BridgeConfig
-    from kvbridge.runtime.nixl_reads import PREPARED_LISTS_ENV, prepared_lists
+    from kvbridge.runtime.prepared_reads import PREPARED_LISTS_ENV, prepared_lists
 
     monkeypatch.delenv(PREPARED_LISTS_ENV, raising=False)
     assert not prepared_lists(BridgeConfig())

@@ -226,9 +226,9 @@ def test_a_slow_gpu_read_marks_its_engine_emulated():
     for engine_id, seconds in (("slow", 1.0), ("fast", 1e-3)):
         engine = SimpleNamespace(key=(engine_id, "127.0.0.1", 1), peers={0: peer})
         load = SimpleNamespace(engine=engine, posted=time.monotonic() - seconds, nbytes=448 << 20)
-        reads._judge_rate(load)
-    assert reads._emulated == {"slow"}
+        reads.emulation.by_rate(load)
+    assert reads.emulation.emulated == {"slow"}
     tcp_only = _reads("VRAM", (torch.zeros(16),), ucx_tls="self,sm,tcp")
     tcp_only.transport.ucx_env["UCX_TLS"] = "self,sm,tcp"  # what start() would set
-    tcp_only._judge_at_handshake(SimpleNamespace(key=("e", "127.0.0.1", 1)))
-    assert tcp_only._emulated == {"e"}
+    tcp_only.emulation.at_handshake(SimpleNamespace(key=("e", "127.0.0.1", 1)))
+    assert tcp_only.emulation.emulated == {"e"}

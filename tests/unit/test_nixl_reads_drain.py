@@ -24,6 +24,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.load import Load, LoadJob
+from kvbridge.runtime.nixl_reader import NixlReader
 from kvbridge.runtime.nixl_reads import NixlReads
 from kvbridge.transport.nixl import Transfer
 from kvbridge.wire import messages as wire
@@ -96,9 +97,9 @@ def make_reads(fake: FakeTransport, reports: list, cls: type[NixlReads] = NixlRe
     def failed(load: Load, error: str) -> None:
         reports.append(("failed", len(fake.events)))
 
-    reads = cls(identity, memory, BridgeConfig(), "DRAM", peers, loaded=loaded, failed=failed, tell=lambda *a: None)
-    reads.transport = fake  # the constructor only stores a NixlTransport; nothing was started
-    return reads
+    reader = NixlReader(fake, identity, "DRAM")  # the fake in place of a NixlTransport
+    tell = lambda *a: None  # noqa: E731
+    return cls(identity, memory, BridgeConfig(), "DRAM", peers, loaded=loaded, failed=failed, tell=tell, reader=reader)
 
 
 def make_load(reads: NixlReads, ranks=RANKS, timeout_s: float = 60.0) -> Load:

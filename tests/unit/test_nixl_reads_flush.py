@@ -178,7 +178,7 @@ class RemovesAtOnce(NixlReads):
     """The code before: a reaped engine's agents are removed at once."""
 
     def forget(self, engine):
-        with self._lock:
+        with self.reader.lock:
             for peer in engine.peers.values():
                 self._forget_agent(peer.agent)
 

@@ -19,7 +19,7 @@ from kvbridge.core.config import BridgeConfig
 from kvbridge.core.descriptors import Descriptors
 from kvbridge.core.errors import KVBridgeError
 from kvbridge.core.memory import Region
-from kvbridge.runtime.nixl_reads import NixlReads
+from kvbridge.runtime.nixl_reader import NixlReader
 from kvbridge.runtime.staged_reads import StagedReads
 from kvbridge.transport.nixl import Transfer
 
@@ -62,9 +62,7 @@ def staged(fake: Fake, timeout_s: float = 5.0) -> StagedReads:
     reads = StagedReads.__new__(StagedReads)
     reads.config = BridgeConfig(transfer_timeout_s=timeout_s)
     reads.identity = "decode"
-    nixl = NixlReads.__new__(NixlReads)  # its lock, transport and flush helpers, nothing else
-    nixl._lock, nixl.transport, nixl.mem_type, nixl.identity = threading.Lock(), fake, "DRAM", "decode"
-    reads.nixl = nixl
+    reads.reader = NixlReader(fake, "decode", "DRAM")
     reads._lock = threading.Lock()
     reads._free, reads.retired = [], []
     return reads

@@ -21,8 +21,9 @@ from kvbridge.core.leases import MAX_READ_S
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
-from kvbridge.runtime.nixl_reads import ReadBudget, block_bytes, emulation_reason
+from kvbridge.runtime.emulation import emulation_reason
 from kvbridge.runtime.prefill_worker import PrefillWorker
+from kvbridge.runtime.read_budget import ReadBudget, block_bytes
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire.params import PrefillDone
 

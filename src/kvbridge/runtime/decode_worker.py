@@ -46,8 +46,9 @@ from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.runtime.load import Load, LoadJob
-from kvbridge.runtime.nixl_reads import NixlReads, ReadBudget, block_bytes
+from kvbridge.runtime.nixl_reads import NixlReads
 from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key, identity
+from kvbridge.runtime.read_budget import ReadBudget, block_bytes
 from kvbridge.transport.nixl import Backoff, MemType
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread

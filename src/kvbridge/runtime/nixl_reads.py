@@ -7,8 +7,8 @@ READs are posted. A READ whose release NIXL refuses (a status error does not mea
 retried; its load is reported, done or failed, only once the release succeeds, so that no READ can still write
 blocks the engine has given to another request.
 
-One lock serialises every NIXL call (the transfer thread, the engine's `results()` calls, handshakes on control
-threads); each method takes it.
+The agent, its lock and the flush READs are a `NixlReader`, shared with the staged path (`staged_reads`); every
+method takes its lock.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,7 +24,6 @@ import numpy as np
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.descriptors import (
     Descriptors,
-    PreparedTable,
     block_lists,
     expand,
     group_descriptors,
@@ -34,89 +31,25 @@ from kvbridge.core.descriptors import (
 )
 from kvbridge.core.errors import IncompatiblePeerError, KVBridgeError, RequestParamsError, TransferError
 from kvbridge.core.identity import WorkerIdentity
-from kvbridge.core.leases import MAX_READ_S
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.segments import Segments, worker_segments
 from kvbridge.core.token_runs import worker_token_descriptors
 from kvbridge.core.topology import WorkerRank
+from kvbridge.runtime.emulation import EmulationJudge
 from kvbridge.runtime.load import Load, LoadJob
+from kvbridge.runtime.nixl_reader import NixlReader
 from kvbridge.runtime.peers import Engine, PeerBook
 from kvbridge.runtime.prefill_worker import staging_copies, transport_config
+from kvbridge.runtime.prepared_reads import PreparedRead, prepare, prepared_lists
+from kvbridge.runtime.read_budget import FLOOR_BYTES_PER_S
 from kvbridge.runtime.staged_reads import StagedReads
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, PreparedLists, Transfer
 from kvbridge.wire import messages as wire
 
 logger = logging.getLogger(__name__)
 
-FLOOR_BYTES_PER_S = 0.1e9
-"""The slowest rate a load's bytes are assumed to move at when its deadline is set: below the 0.2-0.5 GB/s that
-UCX's software emulation of GPU memory reaches on one GPU (docs/benchmarks/gpu-worker-runtime.md), so that a slow
-transport gives slow loads, not failed ones."""
-
-MAX_EXTRA_S = 300.0
-"""The most a load's bytes add to `transfer_timeout_s` (a stuck load still fails in bounded time)."""
-
-SLOW_GPU_BYTES_PER_S = 2e9
-"""A READ of GPU memory below this rate is not a GPU transport: UCX is emulating it (logged once per engine)."""
-
-SLOW_CHECK_MIN_BYTES = 32 << 20
-"""Loads smaller than this are too short to judge a transport's rate by."""
-
 CLOSE_FLUSH_S = 5.0
 """At close, how long flush READs (see `NixlReads.forget`) are waited for before the agent goes anyway."""
-
-
-def block_bytes(memory: WorkerMemory) -> int:
-    """Bytes one block carries into this worker (every layer, plane and head it holds)."""
-    return sum(layer.page_bytes for layer in memory.layers)
-
-
-class ReadBudget:
-    """How long a load may take: `transfer_timeout_s` plus the bytes in flight at this worker when it is queued
-    (its own and those of the loads queued before it and not yet reported, which share the link) at
-    `floor_bytes_per_s`, the extra capped at `max_extra_s` and the whole at the prefill side's longest pin
-    (`core.leases.MAX_READ_S`). The claim's `read_timeout_s` is what is left of it, so the prefill side pins the
-    request as long. Thread-safe; `end` for every job `begin` counted (unknown jobs are ignored)."""
-
-    def __init__(
-        self,
-        config: BridgeConfig,
-        bytes_per_block: int,
-        floor_bytes_per_s: float = FLOOR_BYTES_PER_S,
-        max_extra_s: float = MAX_EXTRA_S,
-    ) -> None:
-        self.config = config
-        self.bytes_per_block = bytes_per_block
-        self.floor_bytes_per_s = floor_bytes_per_s
-        self.max_extra_s = max_extra_s
-        self._lock = threading.Lock()
-        self._bytes: dict[int, int] = {}  # id(job) -> bytes, for jobs queued and not yet reported
-        self._total = 0
-
-    def seconds(self, nbytes: int) -> float:
-        """The budget of a load when `nbytes` are in flight, its own included."""
-        extra = min(nbytes / self.floor_bytes_per_s, self.max_extra_s) if self.floor_bytes_per_s > 0 else 0.0
-        return min(self.config.transfer_timeout_s + extra, MAX_READ_S)
-
-    def begin(self, job: LoadJob) -> float:
-        """Count a job that will be read (`LoadJob.reads`) and has blocks; returns its budget in seconds."""
-        nbytes = job.num_blocks * self.bytes_per_block
-        if not (job.reads and nbytes):
-            return self.config.transfer_timeout_s
-        with self._lock:
-            self._total += nbytes
-            self._bytes[id(job)] = nbytes
-            in_flight = self._total
-        return self.seconds(in_flight)
-
-    def end(self, job: LoadJob) -> None:
-        with self._lock:
-            self._total -= self._bytes.pop(id(job), 0)
-
-    @property
-    def in_flight(self) -> int:
-        with self._lock:
-            return self._total
 
 
 class NixlReads:
@@ -135,10 +68,12 @@ class NixlReads:
         tell: Callable[[wire.Message, LoadJob, tuple[WorkerRank, ...]], None],
         sealer=None,
         regions: Sequence = (),
+        reader: NixlReader | None = None,
     ) -> None:
         """`loaded(load)` and `failed(load, error)` report a load to the decode worker; `tell(message, job, ranks)`
         queues a message for the notifier. `regions`: `memory`'s regions as tensors (GPU memory: the staged path
-        stages in VRAM with torch copies; without them GPU memory has no staged path)."""
+        stages in VRAM with torch copies; without them GPU memory has no staged path). `reader`: the NIXL agent to read
+        with (default: a new one on this worker's transport settings)."""
         self.identity = identity
         self.memory = memory
         self.config = config
@@ -147,17 +82,16 @@ class NixlReads:
         self.loaded = loaded
         self.failed = failed
         self.tell = tell
-        # A kv_both worker also runs a PrefillWorker: agent names must differ.
-        transport = dataclasses.replace(transport_config(config, mem_type), prepared_lists=prepared_lists(config))
-        self.transport = NixlTransport(identity.agent_name + "-reader", transport)
-        self._lock = threading.Lock()  # the transport, _active and _draining: one caller at a time
+        if reader is None:  # a kv_both worker also runs a PrefillWorker: agent names must differ
+            transport = dataclasses.replace(transport_config(config, mem_type), prepared_lists=prepared_lists(config))
+            reader = NixlReader(NixlTransport(identity.agent_name + "-reader", transport), identity, mem_type)
+        self.reader = reader  # the transport and its lock (_active, _draining, ... are under it too)
         self._active: list[Load] = []  # READs posted
         self._draining: list[Load] = []  # READs done or failed whose release NIXL has not accepted yet
         # With prepared lists: per prefill agent, its segments and its prepared lists (None: NIXL refused them).
         self._segments: dict[str, Segments] = {}
         self._prepared: dict[str, PreparedLists | None] = {}
-        self._judged: set[str] = set()  # engine ids whose transport has been judged (one log line each)
-        self._emulated: set[str] = set()  # engine ids judged emulated (the staged path's cost model follows)
+        self.emulation = EmulationJudge(identity, mem_type, reader.transport)
         # Agents that may still have answers queued for us (a READ of theirs released unfinished), and those being
         # flushed before their removal: agent -> (its flush READ, deadline). See `forget`.
         self._unflushed: set[str] = set()
@@ -166,21 +100,25 @@ class NixlReads:
         # The staged path (staging configured): parts of loads read in large chunks, then scattered.
         tensors = staging_copies(mem_type, regions, memory)
         staged = tensors is not None and config.nixl_staging_bytes > 0 and self.memory.num_groups == 1
-        self.staged = StagedReads(identity, memory, config, self, sealer, regions=tensors) if staged else None
+        self.staged = StagedReads(identity, memory, config, reader, sealer, regions=tensors) if staged else None
 
     def start(self) -> None:
         self.transport.start()
         self.transport.register(self.memory, self.mem_type)
         if self.staged is not None:
-            with self._lock:
+            with self.reader.lock:
                 self.staged.start()
 
     def close(self) -> None:
         if self.staged is not None:
             self.staged.close()
-        with self._lock:
+        with self.reader.lock:
             self._flush_all(CLOSE_FLUSH_S)
         self.transport.close()
+
+    @property
+    def transport(self) -> NixlTransport:
+        return self.reader.transport
 
     @property
     def busy(self) -> bool:
@@ -189,7 +127,7 @@ class NixlReads:
 
     def holds(self, load: Load) -> bool:
         """Whether `load`'s READs are posted and being polled."""
-        with self._lock:
+        with self.reader.lock:
             return load in self._active
 
     # -- per engine -------------------------------------------------------------------------------
@@ -199,7 +137,7 @@ class NixlReads:
         owner = self.peers.owner_of(name)
         if owner is not None:  # another engine at another address answers under the same name: never replace it
             raise IncompatiblePeerError("agent_name", f"{name} of the engine at {owner[1]}:{owner[2]}", name)
-        with self._lock:
+        with self.reader.lock:
             if name in self.transport.peers:  # a restarted worker under the same name: its old agent goes
                 self._forget_agent(name)
             return self.transport.add_peer(metadata)
@@ -209,7 +147,7 @@ class NixlReads:
         unfinished (after a timeout or a link cut) may still have its answers queued in UCX: closing the endpoint
         now can crash that prefill worker (UCX 1.23 over tcp, `NixlTransport.post_flush`), so it is removed only
         once a flush READ from it is done, or after `transfer_timeout_s` (`poll` checks)."""
-        with self._lock:
+        with self.reader.lock:
             for peer in engine.peers.values():
                 if peer.agent in self._unflushed and peer.agent not in self._flushing:
                     self._start_flush(peer.agent, peer.memory)
@@ -218,30 +156,14 @@ class NixlReads:
 
     def _start_flush(self, agent: str, memory: WorkerMemory) -> None:
         self._unflushed.discard(agent)
-        flush = self._post_flush(agent, memory)
+        flush = self.reader.post_flush(agent, memory)
         if flush is not None:
             self._flushing[agent] = (flush, time.monotonic() + self.config.transfer_timeout_s)
-
-    def _post_flush(self, agent: str, memory: WorkerMemory) -> Transfer | None:
-        """A flush READ from `agent` (`NixlTransport.post_flush`), or None if its endpoint has failed already (it
-        delivers nothing more: nothing left to wait for)."""
-        try:
-            return self.transport.post_flush(agent, memory.regions[0], self.mem_type)
-        except KVBridgeError as exc:
-            logger.debug("kvbridge decode %s: no flush READ from %s: %s", self.identity, agent, exc)
-            return None
-
-    def _flushed(self, agent: str, flush: Transfer) -> bool:
-        """Whether nothing more can arrive from `agent` before `flush`: it is done or failed, or the agent is gone."""
-        try:
-            return agent not in self.transport.peers or self.transport.poll(flush)
-        except KVBridgeError:
-            return True
 
     def _finish_flushes(self) -> None:
         """Remove the agents whose flush READ is done, failed or past its deadline."""
         for agent, (flush, deadline) in list(self._flushing.items()):
-            if self._flushed(agent, flush) or time.monotonic() > deadline:
+            if self.reader.flushed(agent, flush) or time.monotonic() > deadline:
                 self._forget_agent(agent)
 
     def _flush_all(self, timeout_s: float) -> None:
@@ -273,7 +195,7 @@ class NixlReads:
     def post(self, load: Load, note: wire.Notify) -> None:
         """Post the load's READs, each carrying `note`; a failure drains what was posted, then reports it."""
         engine, job = load.engine, load.job
-        with self._lock:
+        with self.reader.lock:
             try:
                 descs = self._descriptors(load, engine)
             except KVBridgeError as exc:
@@ -305,7 +227,7 @@ class NixlReads:
                 load.staged.append(part)
                 self.staged.run(part, encoded)
             load.posted = time.monotonic()
-            self._judge_at_handshake(engine)
+            self.emulation.at_handshake(engine)
             others = tuple(r for r in engine.layout.workers() if r not in descs)
             if others:
                 self.tell(note, job, others)
@@ -313,16 +235,16 @@ class NixlReads:
 
     def poll(self) -> None:
         """Report the loads whose READs are done (and released) or failed; retry the releases NIXL refused."""
-        with self._lock:
+        with self.reader.lock:
             self._poll()
 
     def poll_if_free(self) -> None:
         """`poll`, unless nothing is posted or another thread is at NIXL (the engine's thread must not wait)."""
-        if self.busy and self._lock.acquire(blocking=False):
+        if self.busy and self.reader.lock.acquire(blocking=False):
             try:
                 self._poll()
             finally:
-                self._lock.release()
+                self.reader.lock.release()
 
     def _poll(self) -> None:
         still = []
@@ -340,7 +262,7 @@ class NixlReads:
                 continue
             if done:
                 self._unflushed.difference_update(t.peer for t in load.transfers)  # answered after the old ones
-                self._judge_rate(load)
+                self.emulation.by_rate(load)
                 if self._release_all(load):
                     self.loaded(load)
                 else:  # done, but NIXL kept the handle: report once it lets go
@@ -381,56 +303,6 @@ class NixlReads:
                 ok = False
         return ok
 
-    # -- telling a transport UCX can only emulate ---------------------------------------------------
-
-    def _judge_at_handshake(self, engine: Engine) -> None:
-        """On an engine's first READs (right after its handshake): GPU memory with no CUDA transport in UCX_TLS
-        can only be emulated by UCX (staged through host memory over tcp); say so once."""
-        engine_id = engine.key[0]
-        if self.mem_type != "VRAM" or engine_id in self._judged:
-            return
-        reason = emulation_reason(self.mem_type, self.transport.ucx_env.get("UCX_TLS"))
-        if reason:
-            self._judged.add(engine_id)
-            self._emulated.add(engine_id)
-            logger.warning(
-                "kvbridge decode %s: NIXL from prefill engine %s: %s; loads will be slow (their deadlines allow %g "
-                "GB/s), not failed",
-                self.identity,
-                engine_id,
-                reason,
-                FLOOR_BYTES_PER_S / 1e9,
-            )
-
-    def _judge_rate(self, load: Load) -> None:
-        """On an engine's first READs of GPU memory large enough to tell: a rate no GPU transport has means UCX is
-        emulating the path in software (two processes on one GPU get no cuda_ipc lane); say so once."""
-        engine = load.engine
-        if self.mem_type != "VRAM" or engine is None or engine.key[0] in self._judged or not load.posted:
-            return
-        if load.nbytes < SLOW_CHECK_MIN_BYTES:
-            return
-        self._judged.add(engine.key[0])
-        seconds = max(time.monotonic() - load.posted, 1e-9)
-        rate = load.nbytes / seconds
-        if rate >= SLOW_GPU_BYTES_PER_S:
-            return
-        self._emulated.add(engine.key[0])
-        same_host = all(p.same_host for p in engine.peers.values())
-        logger.warning(
-            "kvbridge decode %s: NIXL READs of GPU memory from prefill engine %s run at %.2f GB/s (%.0f MB in %.2f s)"
-            ": UCX is emulating the GPU path in software (%s; UCX_PROTO_INFO=y shows 'software emulation'); loads "
-            "stay correct but slow (deadlines allow %g GB/s)%s",
-            self.identity,
-            engine.key[0],
-            rate / 1e9,
-            load.nbytes / 1e6,
-            seconds,
-            "on one host: two processes on one GPU get no cuda_ipc lane" if same_host else "no GPU-capable lane",
-            FLOOR_BYTES_PER_S / 1e9,
-            "; the CUDA IPC path (gpu_peer_copy='auto', the default) avoids NIXL on one host" if same_host else "",
-        )
-
     def _drain_and_fail(self, load: Load, error: str, broken: Engine | None = None) -> None:
         """Fail `load` once nothing of it can still write: READs are released first (retried if NIXL refuses)."""
         load.error = error
@@ -470,7 +342,7 @@ class NixlReads:
         for agent in load.unfinished:
             if agent not in self.transport.peers or agent not in memory:
                 continue  # removed: its endpoint is closed
-            flush = self._post_flush(agent, memory[agent])
+            flush = self.reader.post_flush(agent, memory[agent])
             if flush is not None:
                 flushes[agent] = flush
         if flushes:
@@ -482,7 +354,7 @@ class NixlReads:
         still = []
         for fence in self._fences:
             for agent, flush in list(fence.flushes.items()):
-                if self._flushed(agent, flush):
+                if self.reader.flushed(agent, flush):
                     del fence.flushes[agent]
                     self._unflushed.discard(agent)
                     with contextlib.suppress(KVBridgeError):
@@ -564,7 +436,7 @@ class NixlReads:
         for rank, d in descs.items():
             peer = engine.peers[rank]
             s_blocks, d_blocks = block_lists(src_blocks, dst_blocks, peer.memory, self.memory)
-            emulated = engine.key[0] in self._emulated
+            emulated = engine.key[0] in self.emulation.emulated
             part = self.staged.consider(load, rank, peer, segments[rank], s_blocks, d_blocks, len(d), emulated)
             if part is not None:
                 parts.append(part)
@@ -581,46 +453,9 @@ class NixlReads:
 
     def _prepared_lists(self, agent: str, segments: Segments, memory: WorkerMemory) -> PreparedLists | None:
         """The agent's prepared lists, made on first use; None (for good) if NIXL or the table's size refuses."""
-        if agent in self._prepared:
-            return self._prepared[agent]
-        prepared = None
-        t0 = time.perf_counter()
-        try:
-            table = PreparedTable(segments, memory.num_blocks, self.memory.num_blocks)
-            prepared = self.transport.prepare(agent, table, self.memory, memory)
-        except (ValueError, KVBridgeError) as exc:
-            logger.warning(
-                "kvbridge decode %s: no prepared descriptor lists for %s (%s): per-request descriptors",
-                self.identity,
-                agent,
-                exc,
-            )
-        else:
-            logger.info(
-                "kvbridge decode %s: prepared %d + %d descriptors for %s in %.1f ms",
-                self.identity,
-                table.src_entries,
-                table.dst_entries,
-                agent,
-                1e3 * (time.perf_counter() - t0),
-            )
-        self._prepared[agent] = prepared
-        return prepared
-
-
-class PreparedRead:
-    """One prefill worker's part of a load, named by index in that worker's prepared lists."""
-
-    __slots__ = ("dst_idx", "nbytes", "prepared", "src_idx")
-
-    def __init__(self, prepared: PreparedLists, src_idx: np.ndarray, dst_idx: np.ndarray, nbytes: int) -> None:
-        self.prepared, self.src_idx, self.dst_idx, self.nbytes = prepared, src_idx, dst_idx, nbytes
-
-    def __len__(self) -> int:
-        return len(self.src_idx)
-
-
-PREPARED_LISTS_ENV = "KVBRIDGE_NIXL_PREPARED_LISTS"
+        if agent not in self._prepared:
+            self._prepared[agent] = prepare(self.transport, self.identity, agent, segments, memory, self.memory)
+        return self._prepared[agent]
 
 
 @dataclasses.dataclass
@@ -630,28 +465,6 @@ class Fence:
     load: Load
     flushes: dict[str, Transfer]
     deadline: float
-
-
-def prepared_lists(config: BridgeConfig) -> bool:
-    """Whether the decode worker's READs use prepared descriptor lists: `config.nixl_prepared_lists` when set,
-    else the environment's KVBRIDGE_NIXL_PREPARED_LISTS ("1": on); off by default."""
-    if config.nixl_prepared_lists is not None:
-        return config.nixl_prepared_lists
-    return os.environ.get(PREPARED_LISTS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def emulation_reason(mem_type: MemType, ucx_tls: str | None) -> str:
-    """Why UCX can only emulate READs of `mem_type` with transports `ucx_tls` (the UCX_TLS in effect; None or
-    empty: UCX's own choice), or "" when nothing says so before a READ has run."""
-    if mem_type != "VRAM" or not ucx_tls:
-        return ""
-    if ucx_tls.startswith("^"):  # "all but these": UCX may still have a GPU lane
-        return ""
-    names = [t.strip().lower() for t in ucx_tls.split(",") if t.strip()]
-    gpu = ("all", "gdr_copy", "rc", "rc_x", "rc_v", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ib")
-    if not any(t.startswith("cuda") or t in gpu for t in names):
-        return f"UCX_TLS={ucx_tls} names no GPU transport: UCX can only emulate GPU memory (staged over tcp)"
-    return ""
 
 
 def _peer_broken(error: str) -> bool:

@@ -40,6 +40,7 @@ from kvbridge.core.memory import Region, WorkerMemory
 from kvbridge.core.segments import Segments
 from kvbridge.core.staging import StageCostModel, StageLayout, cost_model
 from kvbridge.core.topology import WorkerRank
+from kvbridge.runtime.nixl_reader import NixlReader
 from kvbridge.runtime.peers import Peer, address
 from kvbridge.runtime.staging import DEPTH
 from kvbridge.transport import device_copy, host_copy
@@ -51,7 +52,6 @@ from kvbridge.wire.side_channel import ThreadClients
 
 if TYPE_CHECKING:
     from kvbridge.runtime.load import Load
-    from kvbridge.runtime.nixl_reads import NixlReads
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +87,17 @@ class StagedReads:
         identity: WorkerIdentity,
         memory: WorkerMemory,
         config: BridgeConfig,
-        nixl: NixlReads,
+        reader: NixlReader,
         sealer: Sealer | None,
         model: StageCostModel | None = None,
         regions: Sequence = (),
     ) -> None:
-        """`regions`: `memory`'s regions as tensors for GPU memory (torch copies on their device); empty: host."""
+        """`reader`: the agent (and its lock) the direct READs use too. `regions`: `memory`'s regions as tensors for
+        GPU memory (torch copies on their device); empty: host."""
         self.identity = identity
         self.memory = memory
         self.config = config
-        self.nixl = nixl
+        self.reader = reader
         self.sealer = sealer
         self.model = model  # None: chosen per peer by its path (`core.staging.cost_model`)
         self.slot_bytes = config.nixl_staging_chunk_bytes
@@ -128,7 +129,7 @@ class StagedReads:
         return self.num_slots >= 1
 
     def start(self) -> None:
-        """Allocate and register the staging buffer (the caller holds the NIXL lock), start the drivers' pool."""
+        """Allocate and register the staging buffer (the caller holds the reader's lock), start the drivers' pool."""
         if not self.enabled:
             return
         nbytes = self.num_slots * self.slot_bytes
@@ -139,7 +140,7 @@ class StagedReads:
             self.buffer = np.zeros(nbytes, dtype=np.uint8)
             self.region = Region(self.buffer.ctypes.data, self.buffer.nbytes, 0)
             self._views = host_copy.HostViews(self.memory.regions)
-        self.nixl.transport.register(WorkerMemory((self.region,), ()), self.mem_type)
+        self.reader.transport.register(WorkerMemory((self.region,), ()), self.mem_type)
         self._free = list(range(self.num_slots))
         self._pool = ThreadPoolExecutor(
             max(1, self.num_slots // DEPTH), thread_name_prefix="kvbridge-staged", initializer=unpin_this_thread
@@ -179,7 +180,7 @@ class StagedReads:
         chunk = min(self.slot_bytes, peer.staging_slot_bytes)
         nbytes = segments.block_bytes * len(s_blocks)
         model = self.model or cost_model(
-            peer.same_host, self.nixl.transport.ucx_env.get("UCX_TLS"), self.mem_type, emulated
+            peer.same_host, self.reader.transport.ucx_env.get("UCX_TLS"), self.mem_type, emulated
         )
         if self.config.nixl_staging != "always" and not model.prefers_staged(nbytes, descriptors, chunk):
             return None
@@ -307,14 +308,14 @@ class StagedReads:
 
     def _poll(self, part: StagedPart, descs: Descriptors, local, remote, note: bytes) -> None:
         nbytes = descs.nbytes
-        nixl, transport = self.nixl, self.nixl.transport
-        with nixl._lock:
+        reader, transport = self.reader, self.reader.transport
+        with reader.lock:
             transfer: Transfer = transport.read(part.peer.agent, descs, local, remote, note)
         part.reads += 1
         backoff = Backoff(first_s=20e-6, cap_s=1e-3)
         try:
             while True:
-                with nixl._lock:
+                with reader.lock:
                     if transport.poll(transfer):
                         break
                 if part.cancelled or time.monotonic() > part.load.deadline:
@@ -331,17 +332,17 @@ class StagedReads:
         `NixlReads._fence`), so before the part's slots or KV blocks are reused, wait for a flush READ from the same
         agent (UCX answers one reader's READs in order). None done within transfer_timeout_s: the part is
         `unfenced`: its slots are retired, and the load's own fence closes the endpoint before its blocks go back."""
-        nixl, agent = self.nixl, part.peer.agent
-        with nixl._lock:
-            flush = nixl._post_flush(agent, part.peer.memory)
+        reader, agent = self.reader, part.peer.agent
+        with reader.lock:
+            flush = reader.post_flush(agent, part.peer.memory)
         if flush is None:
             return  # the endpoint has failed: it delivers nothing more
         deadline = time.monotonic() + self.config.transfer_timeout_s
         backoff = Backoff(first_s=1e-3, cap_s=0.05)
         try:
             while time.monotonic() < deadline:
-                with nixl._lock:
-                    if nixl._flushed(agent, flush):
+                with reader.lock:
+                    if reader.flushed(agent, flush):
                         return
                 backoff.sleep()
             part.unfenced = True
@@ -354,8 +355,8 @@ class StagedReads:
                 len(part.slots),
             )
         finally:
-            with contextlib.suppress(KVBridgeError), nixl._lock:
-                nixl.transport.release(flush)
+            with contextlib.suppress(KVBridgeError), reader.lock:
+                reader.transport.release(flush)
 
     def _direct(self, part: StagedPart, note: bytes) -> None:
         """The part read the direct way (coalesced descriptors), polled and released here."""
@@ -366,8 +367,8 @@ class StagedReads:
         backoff = Backoff(first_s=1e-3, cap_s=0.1)
         while True:
             try:
-                with self.nixl._lock:
-                    self.nixl.transport.release(transfer)
+                with self.reader.lock:
+                    self.reader.transport.release(transfer)
                 return
             except KVBridgeError as exc:
                 logger.warning("kvbridge decode %s: %s (retrying: the slot stays held)", self.identity, exc)

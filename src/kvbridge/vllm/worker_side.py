@@ -15,8 +15,8 @@ from kvbridge.core.errors import ConfigError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import LayerKV, Region, WorkerMemory
 from kvbridge.runtime.decode_worker import DecodeWorker
-from kvbridge.runtime.nixl_reads import prepared_lists
 from kvbridge.runtime.prefill_worker import PrefillWorker
+from kvbridge.runtime.prepared_reads import prepared_lists
 from kvbridge.transport.torch_memory import memory_from_tensors, physical_order, region_tensors
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
