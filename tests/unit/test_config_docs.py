@@ -58,3 +58,7 @@ def test_check_fails_on_a_stale_page_and_names_the_command(tmp_path, capsys):
     page.write_text(render().replace("Longest wait", "Shortest wait"), encoding="utf-8")  # negative control
     assert config_docs.main(["--check", str(page)]) == 1
     assert COMMAND in capsys.readouterr().err
+
+
+def test_asterisks_outside_code_are_not_emphasis():
+    assert config_docs._cell("base + (dp*pp_size + pp)*tp_size, `a*b`") == "base + (dp\\*pp_size + pp)\\*tp_size, `a*b`"

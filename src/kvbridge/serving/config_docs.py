@@ -121,7 +121,10 @@ def _default(name: str, field: Any) -> str:
 
 
 def _cell(text: str) -> str:
-    return re.sub(r"(?<!\\)\|", r"\\|", text)
+    """Text for a table cell: `|` escaped everywhere, `*` outside code spans (dp*pp*tp is not emphasis)."""
+    parts = text.split("`")
+    parts[::2] = [part.replace("*", "\\*") for part in parts[::2]]
+    return re.sub(r"(?<!\\)\|", r"\\|", "`".join(parts))
 
 
 def section_markdown(section: Section) -> list[str]:
