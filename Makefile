@@ -1,14 +1,17 @@
-# Two commands set everything up on a fresh machine (Python 3.11, no GPU needed):
+# Commands on a fresh machine (Python 3.11, no GPU needed); each creates (or reuses) .venv and installs into it:
 #   make demo   the main job: a disaggregated transfer demo on a tiny model, built locally
-#   make test   lint and every test (unit, property, real NIXL between processes, real vLLM servers)
-# Both create (or reuse) .venv and install what they need into it.
+#   make test   lint, unit and property tests, real NIXL between processes, and one end-to-end smoke through real
+#               vLLM servers (about 10 minutes on 2 cores)
+#   make e2e    every end-to-end module: real vLLM servers, shared within the run where their configurations agree
+#               (about 30 minutes on 2 cores)
+# .ci/run runs `make test` then `make e2e`.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbridge-installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test e2e lint venv clean
 
 venv: $(STAMP)
 
@@ -34,8 +37,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 
+# Property tests under the bounded, derandomized Hypothesis profile (tests/conftest.py).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -rs --durations=30
+	KVBRIDGE_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -rs --durations=20 -m "not vllm or smoke" tests
+
+e2e: $(STAMP)
+	$(BIN)/python -m pytest -q -rs --durations=0 -m vllm tests/e2e
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,3 +1,30 @@
 """Test layout: `unit/` (pure code, fakes, no NIXL agent), `nixl/` (real NIXL between processes), `e2e/` (real vLLM
 servers), `gpu/` (CUDA, on the device machine). Shared code lives in the `support` package beside this file, which
-pytest puts on `sys.path` (its prepend import mode inserts this folder when it loads this conftest)."""
+pytest puts on `sys.path` (its prepend import mode inserts this folder when it loads this conftest).
+
+Property tests (Hypothesis) run under one of two profiles, chosen by KVBRIDGE_HYPOTHESIS_PROFILE:
+- `dev` (the default): 300 examples a test, random each run, failures remembered in .hypothesis/;
+- `ci` (`make test`, `.ci/run`): 60 examples a test, derandomized (the same examples on every run: a failure
+  reproduces), no example database.
+Tests whose examples are costly (real sockets, NIXL agents) cap their own count lower with `@settings`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+PROFILE_ENV = "KVBRIDGE_HYPOTHESIS_PROFILE"
+
+settings.register_profile("dev", max_examples=300, deadline=None)
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get(PROFILE_ENV, "dev"))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.serving.launcher import complete, metrics, running
-from kvbridge.serving.tiny_model import build_tiny_model
 from support.e2e_support import (
     SOURCE,
     UNCHECKED,
@@ -54,9 +53,9 @@ TOKEN_BYTES = 4 * 4 * (32 + 32) * 4  # one token of every layer: 4 layers x 4 KV
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("e2e-block-sizes")
-    started = layout_servers(build_tiny_model(root / "model"), root, SERVERS, "bs-", ("--no-enable-prefix-caching",))
+    started = layout_servers(tiny_model, root, SERVERS, "bs-", ("--no-enable-prefix-caching",))
     with running(list(started.values())):
         yield started
 

@@ -22,7 +22,6 @@ from kvbridge.serving.launcher import (
     metrics,
     running,
 )
-from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
@@ -31,8 +30,8 @@ def kv(role: str) -> dict:
     return kvbridge_config(role, side_channel_port=free_base_port(2))
 
 
-def test_dp2_prefill_to_dp2_decode(tmp_path):
-    model = build_tiny_model(tmp_path / "model")
+def test_dp2_prefill_to_dp2_decode(tmp_path, tiny_model):
+    model = tiny_model
     dp2 = ["--data-parallel-size", "2"]
     prefill = VllmServer(
         model,

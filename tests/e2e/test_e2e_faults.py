@@ -23,7 +23,6 @@ from kvbridge.serving.launcher import (
     metrics,
     running,
 )
-from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
@@ -36,9 +35,9 @@ def config(role: str, port: int, policy: str = "recompute", **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("faults")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     prefill = VllmServer(
         model,
         port=free_port(),

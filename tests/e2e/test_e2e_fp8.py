@@ -25,7 +25,6 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.serving.launcher import complete, metrics, running
-from kvbridge.serving.tiny_model import build_tiny_model
 from support.e2e_support import (
     FOUR,
     SOURCE,
@@ -71,8 +70,8 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(root):
-    model = build_tiny_model(root / "model")
+def servers(root, tiny_model):
+    model = tiny_model
     started = layout_servers(
         model,
         root,

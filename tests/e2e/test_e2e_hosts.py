@@ -23,7 +23,6 @@ import time
 import pytest
 
 from kvbridge.serving.launcher import VllmServer, complete, kvbridge_config, metric_sum, metrics, running
-from kvbridge.serving.tiny_model import build_tiny_model
 from support.hosts import connector_on, network_hosts, server_on, slowed, when_sent
 
 pytestmark = pytest.mark.vllm
@@ -53,8 +52,8 @@ def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
     )
 
 
-def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path):
-    model = build_tiny_model(tmp_path / "model")
+def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path, tiny_model):
+    model = tiny_model
     with network_hosts("prefill", "decode", "doomed") as hosts:
         ph, dh, xh = hosts["prefill"], hosts["decode"], hosts["doomed"]
         prefill = server(model, ph, "kv_producer", 2, "0|0", tmp_path / "prefill.log")
@@ -173,12 +172,12 @@ UCX_TCP_PURGE_CRASH = (
 
 
 @pytest.mark.xfail(reason=UCX_TCP_PURGE_CRASH, strict=False)
-def test_a_link_cut_while_a_read_is_in_flight_is_recomputed(tmp_path):
+def test_a_link_cut_while_a_read_is_in_flight_is_recomputed(tmp_path, tiny_model):
     """The path to the decode host slowed to 4 Mbit/s (a 300-token READ then takes about 3 s), the prefill host cut
     off once 200 kB of the READ have left: the decode answers by recompute with the aggregated tokens within its
     transfer timeout, no block stays held on either host, and once the link is back the prefill server is alive and
     the next request is transferred."""
-    model = build_tiny_model(tmp_path / "model")
+    model = tiny_model
     with network_hosts("prefill", "decode") as hosts:
         ph, dh = hosts["prefill"], hosts["decode"]
         prefill = server(model, ph, "kv_producer", 1, "0", tmp_path / "prefill.log")

@@ -9,9 +9,10 @@ its two servers (4 workers) run after test_e2e_mamba.py's three have stopped, no
 
     tp2a tp=2 (core 0)     tp2b tp=2 (core 1, check_prompt off: the negative control's decode)
 
-The checks are test_e2e_mamba.py's: the decode server's greedy output equals its own aggregated output, every prompt
-token but the last is `external_kv_transfer` and one per prompt `local_compute`, and the bytes moved are the
-attention blocks of N-1 tokens plus one state page per Mamba layer (the two ranks' shards add up to the tp=1 page).
+The checks are test_e2e_mamba.py's (`support.mamba_checks`): the decode server's greedy output equals its own
+aggregated output, every prompt token but the last is `external_kv_transfer` and one per prompt `local_compute`,
+and the bytes moved are the attention blocks of N-1 tokens plus one state page per Mamba layer (the two ranks'
+shards add up to the tp=1 page).
 Negative control: the state after N tokens loaded for the prompt (the last token applied twice) changes the output.
 
 With KVBRIDGE_TTFT_OUT=path (a file or a directory) the pair's PD and aggregated TTFT are written there as JSON.
@@ -20,11 +21,11 @@ With KVBRIDGE_TTFT_OUT=path (a file or a directory) the pair's PD and aggregated
 from __future__ import annotations
 
 import pytest
-from test_e2e_mamba import MAX_TOKENS, PROMPT_LENGTHS, check_last_token_twice, check_pair
 
 from kvbridge.serving.launcher import complete, running
 from kvbridge.testing.tiny_models import build_tiny_nemotron_h
 from support.e2e_support import Place, layout_servers, prompts, write_ttft_report
+from support.mamba_checks import MAX_TOKENS, PROMPT_LENGTHS, check_last_token_twice, check_pair
 
 pytestmark = pytest.mark.vllm
 

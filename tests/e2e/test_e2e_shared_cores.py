@@ -26,7 +26,6 @@ from kvbridge.serving.launcher import (
     metrics,
     running,
 )
-from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
@@ -34,9 +33,9 @@ SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("shared-cores")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     prefill = VllmServer(
         model,
         port=free_port(),

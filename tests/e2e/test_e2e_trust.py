@@ -28,7 +28,6 @@ from kvbridge.serving.launcher import (
     metrics,
     running,
 )
-from kvbridge.serving.tiny_model import build_tiny_model
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone, parse_prefill_done
@@ -42,9 +41,9 @@ REJECTED = "vllm:kvbridge_rejected_params_total"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("trust")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     key_file = root / "key"
     key_file.write_bytes(KEY)
     secure = {"auth_key_file": str(key_file)}

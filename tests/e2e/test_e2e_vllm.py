@@ -1,9 +1,10 @@
 """End to end in real vLLM (CPU): disaggregated prefill/decode across different layouts, through kvbridge.
 
-The four `kv_both` servers of `e2e_support.FOUR` (pp2, pp1a, tp2, pp1b; a pair's two on different cores) are
-started once for the module. Each pair checks that the decode server's greedy output equals a non-disaggregated run
-(the prefill server answering the same prompt on its own), and that the decode server's metrics count every
-prompt token as transferred (`external_kv_transfer`) and none as computed locally.
+The four `kv_both` servers of `e2e_support.FOUR` (pp2, pp1a, tp2, pp1b; a pair's two on different cores) come from
+the run's server pool (started once, shared with test_smoke). Each pair checks that the decode server's greedy
+output equals a non-disaggregated run (the prefill server answering the same prompt on its own), and that the
+decode server's metrics count every prompt token as transferred (`external_kv_transfer`) and none as computed
+locally.
 
 With KVBRIDGE_TTFT_OUT=path (a file or a directory) each pair's PD and aggregated TTFT are written there as JSON.
 """
@@ -12,21 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 
 import pytest
 
-from kvbridge.serving.launcher import RequestFailed, complete, metrics, running
-from kvbridge.serving.tiny_model import build_tiny_model
+from kvbridge.serving.launcher import RequestFailed, complete, metrics
 from support.e2e_support import (
     FOUR,
     SOURCE,
     delta,
     disaggregated,
-    layout_servers,
     log_ttft,
     prefill_params,
     prompts,
+    seed_of,
     write_ttft_report,
 )
 
@@ -34,13 +33,11 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
+def servers(server_pool, tiny_model):
     # KVBRIDGE_E2E_EXTRA: more kv_connector_extra_config as JSON, e.g. the staged NIXL path:
     # '{"nixl_staging_bytes": 1048576, "nixl_staging_chunk_bytes": 65536, "nixl_staging": "always"}'
     extra = json.loads(os.environ.get("KVBRIDGE_E2E_EXTRA", "{}"))
-    started = layout_servers(build_tiny_model(root / "model"), root, kv=extra)
-    with running(list(started.values())):
+    with server_pool.layout(tiny_model, FOUR, kv=extra) as started:
         yield started
 
 
@@ -56,11 +53,6 @@ def ttft_log():
         max_tokens=8,
         staged_extra=os.environ.get("KVBRIDGE_E2E_EXTRA", ""),
     )
-
-
-def seed_of(*names: str) -> int:
-    """A seed per parameter set, the same on every run (str hash() changes with PYTHONHASHSEED)."""
-    return zlib.crc32(" -> ".join(names).encode()) % 10_000
 
 
 PAIRS = [

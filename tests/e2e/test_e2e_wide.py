@@ -10,21 +10,17 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_e2e_vllm import seed_of
 
-from kvbridge.serving.launcher import complete, metrics, running
-from kvbridge.serving.tiny_model import build_tiny_model
-from support.e2e_support import SOURCE, Place, delta, disaggregated, layout_servers, prompts
+from kvbridge.serving.launcher import complete, metrics
+from support.e2e_support import SOURCE, Place, delta, disaggregated, prompts, seed_of
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wide")
+def wide(server_pool, tiny_model):
     places = {"pp4": Place(4, 1, "0|0|0|0"), "tp4": Place(1, 4, "1|1|1|1")}
-    servers = layout_servers(build_tiny_model(root / "model"), root, places)
-    with running(list(servers.values()), timeout=900):
+    with server_pool.layout(tiny_model, places, timeout=900) as servers:
         yield servers
 
 

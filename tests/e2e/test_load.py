@@ -29,7 +29,6 @@ from kvbridge.serving.launcher import (
     post_json,
     running,
 )
-from kvbridge.serving.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
@@ -55,8 +54,8 @@ def prompt_tokens(url: str) -> tuple[float, float]:
     return metric_sum(m, SOURCE, source="external_kv_transfer"), metric_sum(m, SOURCE, source="local_compute")
 
 
-def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path):
-    model = build_tiny_model(tmp_path / "model")
+def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path, tiny_model):
+    model = tiny_model
     prefill = VllmServer(
         model,
         port=free_port(),

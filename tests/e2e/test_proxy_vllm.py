@@ -27,7 +27,6 @@ from kvbridge.serving.launcher import (
     metric_sum,
     metrics,
 )
-from kvbridge.serving.tiny_model import build_tiny_model
 from support.proxy import proxy_process, wait_for
 
 # --- real vLLM servers behind the proxy -------------------------------------------------------------------
@@ -82,11 +81,11 @@ def external_tokens(url: str) -> float:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_real_vllm_servers_behind_the_proxy(tmp_path):
+def test_real_vllm_servers_behind_the_proxy(tmp_path, tiny_model):
     """Prefill pp=2 (core 0, kv_both) and decode pp=1 (core 1, `kvbridge serve --role decode`), the
     `kvbridge proxy` command in front: outputs equal the prefill server's own, every prompt token reaches the
     decode server through kvbridge, and a stopped decode server gives the client a JSON error, not a hang."""
-    model = build_tiny_model(tmp_path / "model")
+    model = tiny_model
     key_file, _ = ensure_key_file(tmp_path / "deployment.key")  # one key for the servers and the proxy
     prefill = VllmServer(
         model,

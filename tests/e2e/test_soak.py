@@ -53,7 +53,6 @@ from kvbridge.serving.launcher import (
     metrics,
     running,
 )
-from kvbridge.serving.tiny_model import build_tiny_model
 from kvbridge.wire.params import parse_prefill_done
 from support.hosts import Host, connector_on, network_hosts, server_on, slowed, when_sent
 
@@ -206,8 +205,8 @@ class Soak:
         ]
 
 
-def test_fault_soak(tmp_path):
-    model = build_tiny_model(tmp_path / "model")
+def test_fault_soak(tmp_path, tiny_model):
+    model = tiny_model
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY)
     secure = {"auth_key_file": str(key_file)}

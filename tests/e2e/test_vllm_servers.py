@@ -44,11 +44,6 @@ def _prompts(count: int = 4, vocab: int = 1024, seed: int = 1234) -> list[list[i
 PROMPTS = _prompts()
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
-
-
 def _serve_and_generate(model: Path, log_dir: Path, *, pp: int = 1, tp: int = 1) -> dict:
     """Start one server, generate for every prompt, read its metrics, stop it (also on failure)."""
     name = f"pp{pp}tp{tp}"

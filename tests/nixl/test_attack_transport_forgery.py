@@ -15,11 +15,8 @@ import threading
 import time
 
 import pytest
-import torch
 import zmq
 
-from kvbridge.core.config import BridgeConfig
-from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import blocks_digest
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
@@ -27,6 +24,7 @@ from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer, destination
+from support.prefill_workers import prefill_worker
 
 pytestmark = pytest.mark.nixl
 
@@ -36,14 +34,7 @@ TOKEN = "f" * 32
 
 
 def make_worker(key: bytes | None, engine_id: str = "p", host: str = "127.0.0.1", port: int = 0) -> PrefillWorker:
-    kv = torch.zeros(1 << 16, dtype=torch.uint8)
-    memory = synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, 16, kv.data_ptr())
-    config = BridgeConfig(side_channel_port=port or free_base_port(1), side_channel_host=host)
-    worker = PrefillWorker(
-        WorkerIdentity(engine_id, ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory, config, key=key
-    )
-    worker._kv = kv
-    return worker.start()
+    return prefill_worker(GEOMETRY, key, engine_id=engine_id, port=port, side_channel_host=host)
 
 
 def handshake() -> wire.HandshakeRequest:

@@ -32,6 +32,7 @@ from kvbridge.wire import params as wire_params
 from kvbridge.wire import side_channel as sc
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone, parse_prefill_done
+from support.prefill_workers import prefill_worker
 
 BOUNDS = {  # key: the module value it replaced
     "side_channel_max_frame_bytes": sc.MAX_REQUEST_BYTES,
@@ -93,14 +94,7 @@ def test_an_out_of_range_bound_refuses_to_start_naming_the_key(name, monkeypatch
 
 
 def make_prefill(key: bytes | None = None, **bounds) -> PrefillWorker:
-    kv = torch.zeros(1 << 16, dtype=torch.uint8)
-    memory = synthesize_memory("LBHNC", GEOMETRY, range(48), 2, 4, kv.data_ptr())
-    config = BridgeConfig(side_channel_port=free_base_port(1), **bounds)
-    worker = PrefillWorker(
-        WorkerIdentity("p", ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory, config, key=key
-    )
-    worker._kv = kv  # the registered memory lives as long as the worker
-    return worker.start()
+    return prefill_worker(GEOMETRY, key, layers=range(48), num_blocks=4, **bounds)
 
 
 def params_of(engine: str, port: int, request_id: str = "r") -> PrefillDone:

@@ -52,7 +52,7 @@ def at(side, idx):
     return addr[idx], length[idx], region[idx]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     pair=st.sampled_from(PAIRS),
     layouts=st.tuples(st.sampled_from(VLLM_LAYOUTS), st.sampled_from(VLLM_LAYOUTS)),

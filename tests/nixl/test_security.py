@@ -12,20 +12,18 @@ import threading
 import time
 
 import pytest
-import torch
 import zmq
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import ConfigError
-from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import MAX_EARLY
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.prefill_worker import PrefillWorker
-from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer, destination
 from kvbridge.wire.side_channel import exchange
+from support.prefill_workers import prefill_worker
 
 pytestmark = pytest.mark.nixl
 
@@ -43,14 +41,7 @@ def rss_mb() -> float:
 
 
 def make_worker(key: bytes | None, host: str = "127.0.0.1") -> PrefillWorker:
-    kv = torch.zeros(1 << 16, dtype=torch.uint8)
-    memory = synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, 16, kv.data_ptr())
-    config = BridgeConfig(side_channel_port=free_base_port(1), side_channel_host=host)
-    worker = PrefillWorker(
-        WorkerIdentity("p", ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory, config, key=key
-    )
-    worker._kv = kv  # keep the buffer alive with the worker
-    return worker
+    return prefill_worker(GEOMETRY, key, side_channel_host=host, start=False)
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """What the end-to-end modules share: the four-server layout, prompts, the disaggregated leg, metric deltas, the
 TTFT report. Each module keeps its own model, block size and oracles.
 
-The layout: four `kv_both` kvbridge servers started once per module, so every pair reuses them, a pair's prefill
-and decode servers on different cores (while a prefill server holds a request's blocks vLLM steps it continuously
-and its workers spin; on a 2-core machine a decode server sharing the core would starve):
+The layout: four `kv_both` kvbridge servers started once per run (`server_pool`), so every pair reuses them, a
+pair's prefill and decode servers on different cores (while a prefill server holds a request's blocks vLLM steps
+it continuously and its workers spin; on a 2-core machine a decode server sharing the core would starve):
 
     pp2  pp=2 (core 0)     pp1a pp=1 (core 1)     tp2  tp=2 (core 1)     pp1b pp=1 (core 0)
 """
@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,11 @@ def layout_servers(
         )
         for name, p in places.items()
     }
+
+
+def seed_of(*names: str) -> int:
+    """A seed per parameter set, the same on every run (str hash() changes with PYTHONHASHSEED)."""
+    return zlib.crc32(" -> ".join(names).encode()) % 10_000
 
 
 def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:

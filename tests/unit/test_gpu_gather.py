@@ -7,13 +7,13 @@ layout pair must move exactly the bytes torch indexing says, through segments an
 import numpy as np
 import pytest
 import torch
-from test_descriptors import CASES, check_case, check_layouts
 
 from kvbridge.core.errors import LayoutError
 from kvbridge.core.memory import NAMED_LAYOUTS, synthesize_memory
 from kvbridge.core.segments import worker_segments
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.transport.gpu_gather import PAIR_PAD, GatherKernel, _grouping, _tile, pack_ids
+from support.layout_oracle import CASES, check_case, check_layouts
 
 
 def move_by_kernel(plan, dw, dst, sources, src_blocks, dst_blocks) -> None:

@@ -51,7 +51,6 @@ def table(group: CacheGroup, num_tokens: int, ids: list[int], extra: int = 0) ->
     return [NULL_BLOCK] * skipped + ids[: n - skipped]
 
 
-@settings(max_examples=300)
 @given(
     st.integers(1, 2000),
     st.integers(1, 400),
@@ -257,7 +256,7 @@ def test_a_peer_whose_layer_is_in_another_group_is_refused_and_lists_must_match_
 GROUP_LISTS = st.lists(st.lists(st.tuples(st.integers(0, 11), st.integers(0, 11)), max_size=5), min_size=2, max_size=2)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(st.sampled_from((1, 2, 3, 6)), GROUP_LISTS)
 def test_every_layer_gets_the_blocks_of_its_group_lists_under_any_pp_split(pp, lists):
     """6 layers alternating groups 0 and 1, the prefill in `pp` stages, the decode in one: per group, random

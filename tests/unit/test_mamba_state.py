@@ -141,7 +141,7 @@ def run_pair(prefill: ParallelLayout, decode: ParallelLayout, swap_tp: bool = Fa
 LAYOUTS = [ParallelLayout(pp=p, tp=t) for p in (1, 2, 4) for t in (1, 2)]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(st.sampled_from(LAYOUTS), st.sampled_from((1, 2, 4)))
 def test_state_pages_are_copied_whole_from_the_same_tp_rank_under_any_pp_pair(prefill, decode_pp):
     assert run_pair(prefill, ParallelLayout(pp=decode_pp, tp=prefill.tp)) == []

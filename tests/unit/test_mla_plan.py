@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbridge.core.descriptors import read_descriptors
@@ -91,7 +91,6 @@ def mla_layouts(draw):
     return layout(), layout(), layers
 
 
-@settings(max_examples=400, deadline=None)
 @given(mla_layouts())
 def test_mla_latent_is_read_once_per_layer_and_decode_worker_spread_over_prefill_ranks(case):
     """Each decode worker reads each of its layers exactly once, from a prefill worker of that layer's stage; the

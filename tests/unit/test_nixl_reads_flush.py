@@ -1,7 +1,7 @@
 """A READ released unfinished: its load is reported failed, and its agent removed, only after a flush READ from
 that agent is done (issues 14 and 18).
 
-A unit test of ordering in `runtime.nixl_reads.NixlReads`, with the recording fake of test_nixl_reads_drain. Why:
+A unit test of ordering in `runtime.nixl_reads.NixlReads`, with the recording fake of `support.nixl_reads_fakes`. Why:
 NIXL's release does not stop UCX's GET: its data lands once the link is back, into blocks vLLM has given to another
 request if the failed load was reported at once; and UCX 1.23 over tcp can crash a prefill worker (SIGSEGV in
 ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge) when the decode closes the endpoint while the prefill still
@@ -15,11 +15,10 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from test_nixl_reads_drain import RANKS, FakeTransport, make_load, make_reads, note
-
 from kvbridge.core.config import BridgeConfig
 from kvbridge.runtime.nixl_reads import NixlReads
 from kvbridge.transport.nixl import Transfer
+from support.nixl_reads_fakes import RANKS, FakeTransport, make_load, make_reads, note
 
 AGENT = "prefill-tp0"
 

@@ -4,7 +4,7 @@ from collections import Counter
 from itertools import pairwise
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvbridge.core.errors import LayoutError
@@ -55,7 +55,6 @@ def check_plan_covers_exactly_once(prefill, decode, geometry):
     return plan
 
 
-@settings(max_examples=400, deadline=None)
 @given(layout_pairs())
 def test_every_pair_is_covered_exactly_once(pair):
     check_plan_covers_exactly_once(*pair)
@@ -70,7 +69,6 @@ def test_layout_grid_plans_are_exact(p, d, heads):
     check_plan_covers_exactly_once(ParallelLayout(pp=p[0], tp=p[1]), ParallelLayout(pp=d[0], tp=d[1]), geometry)
 
 
-@settings(max_examples=200, deadline=None)
 @given(layout_pairs())
 def test_replicated_heads_are_spread(pair):
     """Decode workers needing the same (layer, head) use min(#readers, #replicas) prefill replicas."""

@@ -72,7 +72,6 @@ def test_port_formula_examples() -> None:
     assert sc.side_channel_port(5000, ParallelLayout(), 0, WorkerRank(0, 0)) == 5000
 
 
-@settings(max_examples=200)
 @given(
     st.integers(1, 8),
     st.integers(1, 8),
@@ -363,7 +362,7 @@ def _send_frames(server: sc.SideChannelServer, frames: list[bytes]) -> list[byte
         sock.close()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
 def test_fuzzed_frames_are_answered_and_never_stall_the_server(live: sc.SideChannelServer, frames: list[bytes]) -> None:
     answer = _send_frames(live, frames)
@@ -376,7 +375,7 @@ def test_fuzzed_frames_are_answered_and_never_stall_the_server(live: sc.SideChan
 _REQUEST_BYTES = wire.encode(decode_request())
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20)
 @given(st.integers(0, len(_REQUEST_BYTES) - 1))
 def test_truncated_requests_get_an_error_reply(live: sc.SideChannelServer, cut: int) -> None:
     answer = _send_frames(live, [_REQUEST_BYTES[:cut]])

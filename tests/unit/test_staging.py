@@ -11,7 +11,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbridge.core.memory import Region, synthesize_memory
@@ -27,7 +27,6 @@ MODEL = StageCostModel()
 CHUNK = 8 << 20
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     nbytes=st.integers(1 << 16, 1 << 32),
     descs=st.integers(2, 1 << 18),
@@ -45,7 +44,6 @@ def test_the_model_is_monotonic(nbytes, descs, more, chunk):
         assert model.direct_s(nbytes, descs + more) > model.direct_s(nbytes, descs)
 
 
-@settings(max_examples=200, deadline=None)
 @given(nbytes=st.integers(1 << 20, 1 << 32), run=st.integers(1, 1 << 22))
 def test_the_model_stages_only_small_runs(nbytes, run):
     descs = max(2, nbytes // run)
@@ -72,7 +70,6 @@ def test_bad_constants_are_refused():
         StageCostModel(link_bytes_per_s=0)
 
 
-@settings(max_examples=150, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=12),
     pairs=st.integers(1, 60),

@@ -126,7 +126,6 @@ def msgpack_values() -> st.SearchStrategy[object]:
 # --- round trips --------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=150)
 @given(replies())
 def test_reply_round_trips_and_converts_back_to_core(case: tuple[wire.HandshakeReply, tuple]) -> None:
     reply, (engine_id, layout, dp_rank, rank, geometry, kv_layout, agent, metadata, memory) = case
@@ -143,7 +142,6 @@ def test_reply_round_trips_and_converts_back_to_core(case: tuple[wire.HandshakeR
     wire.check_compatible(decoded, decoded)
 
 
-@settings(max_examples=100)
 @given(deployments(), st.sampled_from(sorted(NAMED_LAYOUTS)), st.none() | st.tuples(st.integers(0, 3)))
 def test_request_round_trips(deployment: tuple, kv_layout: str, target: tuple | None) -> None:
     layout, geometry, dp_rank, rank = deployment
@@ -407,13 +405,12 @@ def _decodes_or_protocol_error(data: bytes) -> None:
     assert isinstance(message, wire.MESSAGE_TYPES)
 
 
-@settings(max_examples=300)
 @given(st.binary(max_size=300))
 def test_fuzzed_bytes_never_raise_anything_but_protocol_error(data: bytes) -> None:
     _decodes_or_protocol_error(data)
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(suppress_health_check=[HealthCheck.too_slow])
 @given(msgpack_values())
 def test_fuzzed_msgpack_values_never_raise_anything_but_protocol_error(value: object) -> None:
     _decodes_or_protocol_error(_encoded(value))
@@ -422,7 +419,6 @@ def test_fuzzed_msgpack_values_never_raise_anything_but_protocol_error(value: ob
 _REPLY_BYTES = wire.encode(make_reply())
 
 
-@settings(max_examples=300)
 @given(st.lists(st.tuples(st.integers(0, len(_REPLY_BYTES) - 1), st.integers(0, 255)), min_size=1, max_size=8))
 def test_corrupted_replies_never_raise_anything_but_protocol_error(flips: list[tuple[int, int]]) -> None:
     data = bytearray(_REPLY_BYTES)

