@@ -1,5 +1,6 @@
 """What the end-to-end modules share in one run: the tiny model, built once, and the pool of running vLLM servers,
-keyed by their configuration (`support.server_pool`), so modules whose servers agree start them once."""
+keyed by their configuration (`support.server_pool`), so that consecutive modules whose servers agree start them
+once (test_e2e_vllm.py and test_e2e_vllm_smoke.py: the smoke's two servers are two of the four)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,10 @@ def server_pool(tmp_path_factory) -> Iterator[ServerPool]:
     finally:
         pool.close()
         print(f"\nvLLM server pool: {pool.started} started, {pool.reused} reused")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def idle_servers_stop_before_other_servers_start(request, server_pool):
+    """A module that starts its own servers gets the cores and memory to itself: the pool's idle servers stop."""
+    if not any("server_pool" in item.fixturenames for item in request.session.items if item.module is request.module):
+        server_pool.release_idle()

@@ -1,10 +1,10 @@
 """End to end in real vLLM (CPU): disaggregated prefill/decode across different layouts, through kvbridge.
 
 The four `kv_both` servers of `e2e_support.FOUR` (pp2, pp1a, tp2, pp1b; a pair's two on different cores) come from
-the run's server pool (started once, shared with test_smoke). Each pair checks that the decode server's greedy
-output equals a non-disaggregated run (the prefill server answering the same prompt on its own), and that the
-decode server's metrics count every prompt token as transferred (`external_kv_transfer`) and none as computed
-locally.
+the run's server pool (started once; test_e2e_vllm_smoke.py, which runs next, reuses two of them). Each pair checks
+that the decode server's greedy output equals a non-disaggregated run (the prefill server answering the same
+prompt on its own), and that the decode server's metrics count every prompt token as transferred
+(`external_kv_transfer`) and none as computed locally.
 
 With KVBRIDGE_TTFT_OUT=path (a file or a directory) each pair's PD and aggregated TTFT are written there as JSON.
 """

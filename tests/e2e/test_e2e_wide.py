@@ -25,7 +25,7 @@ def wide(server_pool, tiny_model):
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("pp4", "tp4"), ("tp4", "pp4")])
-def test_pp4_tp4(wide, prefill, decode):
+def test_pp4_and_tp4_give_the_aggregated_output(wide, prefill, decode):
     p, d = wide[prefill], wide[decode]
     batch = prompts(seed_of(prefill, decode, "wide"), (200, 330))
     before = metrics(d.url)

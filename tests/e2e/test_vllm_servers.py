@@ -162,14 +162,14 @@ def test_server_command_and_environment(tmp_path: Path) -> None:
     assert "--enforce-eager" in VllmServer(tmp_path, port=8123).command()
 
 
-def test_cpu_binding() -> None:
+def test_each_worker_is_bound_to_one_core_round_robin() -> None:
     assert cpu_binding(1, cpus=[0, 1]) == "0"
     assert cpu_binding(1, cpus=[0, 1], offset=1) == "1"
     assert cpu_binding(2, cpus=[0, 1]) == "0|1"
     assert cpu_binding(4, cpus=[0, 1]) == "0|1|0|1"
 
 
-def test_parse_prometheus() -> None:
+def test_prometheus_text_becomes_series_keyed_by_sorted_labels() -> None:
     text = "\n".join(
         [
             "# HELP vllm:prompt_tokens_by_source_total Prompt tokens",

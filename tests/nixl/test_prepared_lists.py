@@ -186,7 +186,12 @@ def test_prepared_reads_move_exactly_the_requests_bytes(pair, layout):
 
 @pytest.mark.nixl
 @pytest.mark.parametrize(
-    ("prefill", "decode", "heads"), [("pp=2,tp=1", "pp=1,tp=2", 4), ("pp=1,tp=1", "pp=2,tp=2", 4), ("pp=1", "pp=1", 2)]
+    ("prefill", "decode", "heads"),
+    [
+        ("pp=2,tp=1", "pp=1,tp=2", 4),
+        pytest.param("pp=1,tp=1", "pp=2,tp=2", 4, marks=pytest.mark.matrix),
+        pytest.param("pp=1", "pp=1", 2, marks=pytest.mark.matrix),
+    ],
 )
 def test_the_decode_runtime_reads_through_prepared_lists(prefill, decode, heads, monkeypatch):
     """The same checks as test_transfer_processes, with KVBRIDGE_NIXL_PREPARED_LISTS=1 in every worker process

@@ -39,7 +39,11 @@ def scenario(prefill: str, decode: str, heads: int = 4, **kw) -> Scenario:
 @pytest.mark.nixl
 @pytest.mark.parametrize(
     ("prefill", "decode", "heads"),
-    [("pp=2,tp=1", "pp=1,tp=2", 4), ("pp=1,tp=1", "pp=1,tp=1", 4), ("pp=1,tp=4", "pp=1,tp=1", 4)],
+    [
+        ("pp=2,tp=1", "pp=1,tp=2", 4),
+        pytest.param("pp=1,tp=1", "pp=1,tp=1", 4, marks=pytest.mark.matrix),
+        pytest.param("pp=1,tp=4", "pp=1,tp=1", 4, marks=pytest.mark.matrix),
+    ],
 )
 def test_staged_loads_are_byte_exact(prefill, decode, heads):
     s = scenario(prefill, decode, heads)

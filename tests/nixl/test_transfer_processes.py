@@ -20,11 +20,12 @@ def seed_of(*names: str) -> int:
     return zlib.crc32(" -> ".join(names).encode()) % 1000
 
 
+MATRIX = pytest.mark.matrix  # more layout pairs of a check whose headline pair make test runs (make e2e runs these)
 PAIRS = [
     ("pp=2,tp=1", "pp=1,tp=2", 4),  # the pair vLLM's NixlConnector fails on
-    ("pp=1,tp=2", "pp=2,tp=1", 4),  # decode-side PP
-    ("pp=2,tp=1", "pp=2,tp=1", 4),  # PP on both sides
-    ("pp=1,tp=1", "pp=2,tp=2", 4),
+    pytest.param("pp=1,tp=2", "pp=2,tp=1", 4, marks=MATRIX),  # decode-side PP
+    pytest.param("pp=2,tp=1", "pp=2,tp=1", 4, marks=MATRIX),  # PP on both sides
+    pytest.param("pp=1,tp=1", "pp=2,tp=2", 4, marks=MATRIX),
     ("pp=1,tp=4", "pp=1,tp=1", 2),  # replicated heads on the prefill side: two workers are not read
 ]
 
@@ -72,7 +73,7 @@ def pp2_to_tp2(**kw) -> Scenario:
 
 
 @pytest.mark.nixl
-@pytest.mark.parametrize("concurrent", [1, 3])
+@pytest.mark.parametrize("concurrent", [pytest.param(1, marks=MATRIX), 3])
 def test_per_layer_allocations_and_several_requests(concurrent):
     """KV in one allocation per layer (as vLLM allocates on GPU: a region each), four requests one after another
     or up to three in flight at once, each claimed before it is read (verify_requests, the default)."""

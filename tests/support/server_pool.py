@@ -2,11 +2,14 @@
 
 A module asks for a layout (`ServerPool.layout`, the arguments of `e2e_support.layout_servers`); every server
 whose configuration (model, parallel sizes, cores, vLLM arguments, connector config without its port, server
-options) equals one already started is reused, the others are started. Leaving the `with` block hands the servers
-back idle instead of stopping them, so the next module with the same configuration finds them ready. Idle servers
-beyond `max_idle_workers` worker processes are stopped, least recently used first (each holds its KV cache in
-memory); every server is stopped when the run ends (`close`). A server that died or stopped answering is never
-handed out again.
+options) equals an idle one's is reused, the others are started. Leaving the `with` block hands the servers back
+idle instead of stopping them, so that the next module finds them ready if it asks for the same configuration.
+
+Idle servers hold their KV cache in memory and their workers sit on the cores the next servers are bound to, so
+they are kept only for the next pooled module: idle servers a layout does not take are stopped before it starts
+its own (`release_idle`), as they are before a module that starts servers outside the pool (tests/e2e/conftest.py),
+and beyond `max_idle_workers` worker processes, least recently used first. A server that died or stopped
+answering is never handed out again; every server is stopped when the run ends (`close`).
 
 Modules whose tests kill, restart or reconfigure their servers start their own instead (`running`).
 """
@@ -63,6 +66,7 @@ class ServerPool:
         if len(set(keys.values())) < len(keys):
             raise ValueError(f"two places of one layout have the same configuration: {sorted(places)}")
         taken = {name: self._take(key) for name, key in keys.items()}
+        self.release_idle()  # what this layout does not take would only compete with it for cores and memory
         missing = {name: p for name, p in places.items() if taken[name] is None}
         fresh = layout_servers(model, self.root, missing, prefix, args, kv, **server) if missing else {}
         servers = {name: taken[name] or fresh[name] for name in places}
@@ -76,6 +80,11 @@ class ServerPool:
         finally:
             for name in places:
                 self._give_back(keys[name], servers[name], healthy=ok)
+
+    def release_idle(self) -> None:
+        """Stop every idle server."""
+        while self._idle:
+            self._idle.popitem(last=False)[1].stop()
 
     def close(self) -> None:
         """Stop every server (idle or still leased)."""

@@ -62,7 +62,7 @@ def test_invalid_layout_is_one_line_without_traceback():
     assert "tp=3 must divide the 4 KV heads" in out.stderr
 
 
-def test_unparsable_layout():
+def test_an_unparsable_layout_is_an_error_not_a_traceback():
     out = kvbridge("plan", "--prefill", "pp=two", "--decode", "tp=1", "--num-layers", "28", "--num-kv-heads", "4")
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "cannot parse 'pp=two'" in out.stderr

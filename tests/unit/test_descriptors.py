@@ -31,7 +31,7 @@ def test_mixed_layouts_still_correct():
     layout=st.sampled_from(sorted(NAMED_LAYOUTS)),
     data=st.data(),
 )
-def test_random_requests(layout, data):
+def test_random_requests_move_exactly_their_bytes(layout, data):
     num_blocks = 10
     count = data.draw(st.integers(0, num_blocks))
     src_blocks = data.draw(st.permutations(range(num_blocks)))[:count]
@@ -122,7 +122,7 @@ def test_bad_inputs_name_the_problem():
         read_descriptors(read, mem, 0, other, 0, [1], [0])
 
 
-def test_memory_validation():
+def test_a_layer_outside_its_region_is_refused():
     with pytest.raises(ValueError, match="outside its region"):
         lk = LayerKV(0, 0, 100, 5, 1, 4, 8, 32, 32, 8)  # 5 blocks in room for 4
         WorkerMemory((synthesize_memory("LBHNC", KVGeometry(1, 1, 2, "float32", 4), [0], 1, 2, 100).regions), (lk,))

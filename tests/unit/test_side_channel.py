@@ -110,7 +110,7 @@ def test_bad_port_arguments(base: int, dp_rank: int, rank: WorkerRank, match: st
         sc.side_channel_port(base, PREFILL, dp_rank, rank)
 
 
-def test_endpoint() -> None:
+def test_endpoints_put_ipv6_hosts_in_brackets() -> None:
     assert sc.endpoint("127.0.0.1", 5) == "tcp://127.0.0.1:5"
     assert sc.endpoint("::1", 5) == "tcp://[::1]:5"
 

@@ -107,7 +107,7 @@ def test_parse_round_trip():
     assert layout.workers()[:3] == (WorkerRank(0, 0), WorkerRank(0, 1), WorkerRank(1, 0))
 
 
-def test_geometry_errors():
+def test_a_bad_geometry_is_refused_naming_the_field():
     with pytest.raises(LayoutError, match="num_kv_heads must be a positive integer"):
         KVGeometry(4, 0, 64)
     with pytest.raises(LayoutError, match="dtype 'float64' is not one of"):

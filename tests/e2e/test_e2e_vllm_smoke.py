@@ -1,7 +1,7 @@
-"""The end-to-end check `make test` runs: one request disaggregated from a prefill server with PP=2 to a decode
-server with TP=2 (real vLLM, real NIXL between the processes), on the run's shared servers (`server_pool`: the pp2
-and tp2 servers of `e2e_support.FOUR`, which test_e2e_vllm uses too). The decode's greedy output equals the prefill
-server's own, and every prompt token reached the decode through kvbridge, none computed there."""
+"""The end-to-end check `make test` runs: prompts disaggregated from a prefill server with PP=2 to a decode server
+with TP=2 (real vLLM, real NIXL between the processes), on the run's shared servers (`server_pool`: the pp2 and tp2
+servers of `e2e_support.FOUR`, taken over from test_e2e_vllm.py when both run). The decode's greedy output equals
+the prefill server's own, and every prompt token reached the decode through kvbridge, none computed there."""
 
 from __future__ import annotations
 
