@@ -180,6 +180,28 @@ def test_the_threshold_is_learned_from_metrics_and_the_hop():
     assert slow.costs.threshold(0) == float("inf")  # transferring costs more than computing
 
 
+def test_costs_are_read_from_prometheus_text():
+    from kvbridge.serving.proxy.scrape import parse_samples
+
+    def text(computed: float, seconds: float) -> str:
+        return (
+            "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.\n"
+            "# TYPE vllm:prompt_tokens_by_source_total counter\n"
+            f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="local_compute"}} {computed}\n'
+            'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 99.0\n'
+            "# HELP vllm:request_prefill_time_seconds Prefill time.\n"
+            "# TYPE vllm:request_prefill_time_seconds histogram\n"
+            f'vllm:request_prefill_time_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} 3.0\n'
+            f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="m"}} {seconds}\n'
+            f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="m"}} 3.0\n'
+        )
+
+    learner = CostLearner()
+    learner.prefill_read("p", parse_samples(text(100, 0.5)))
+    learner.prefill_read("p", parse_samples(text(2100, 0.75)))
+    assert learner.costs.prefill_tokens_per_s == pytest.approx(8000)
+
+
 def test_a_fixed_threshold_wins_over_the_learned_one_and_the_initial_one_stands_in():
     r = router(disaggregation="selective", direct_initial_tokens=7)
     assert r.threshold(0) == 7

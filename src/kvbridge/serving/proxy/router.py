@@ -46,6 +46,9 @@ class Pick:
     """`prefix` (it holds the longest prefix), `least_loaded` (no better holder), `overloaded` (a holder was over
     `max_imbalance`), `balancer` (least_loaded routing)."""
 
+    def describe(self) -> str:
+        return f"{self.backend.name}({self.why}, held {self.held_tokens})"
+
 
 @dataclass(frozen=True)
 class Route:
@@ -68,12 +71,11 @@ class Route:
     def line(self) -> str:
         """The decision in one log line."""
         threshold = "-" if self.threshold is None else f"{self.threshold:.0f}"
-        prefill = "" if self.prefill is None else f" prefill={self.prefill.backend.name}({self.prefill.why}, held "
-        prefill += "" if self.prefill is None else f"{self.prefill.held_tokens})"
+        prefill = "" if self.prefill is None else f" prefill={self.prefill.describe()}"
         return (
-            f"path={self.path} reason={self.reason} decode={self.decode.backend.name}({self.decode.why}, held "
-            f"{self.decode.held_tokens}){prefill} prompt={self.prompt_tokens} new={self.new_tokens} "
-            f"threshold={threshold} running={self.decode.backend.outstanding - 1} [{self.costs}]"
+            f"path={self.path} reason={self.reason} decode={self.decode.describe()}{prefill} "
+            f"prompt={self.prompt_tokens} new={self.new_tokens} threshold={threshold} "
+            f"running={self.decode.backend.outstanding - 1} [{self.costs}]"
         )
 
 
