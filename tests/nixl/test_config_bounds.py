@@ -344,7 +344,7 @@ def scheduler(**bounds):
     vllm_config = SimpleNamespace(
         kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=16)
     )
-    return SchedulerSide(vllm_config, BridgeConfig(**bounds))
+    return SchedulerSide(vllm_config, BridgeConfig(insecure_no_auth=True, **bounds))
 
 
 def ask(side, request_id: str, remote_request_id: str, blocks: int = 3) -> str | None:

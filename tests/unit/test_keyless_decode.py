@@ -27,7 +27,7 @@ def decode_side(extra: dict | None = None):
     vllm_config = SimpleNamespace(
         kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=16)
     )
-    return scheduler_side.SchedulerSide(vllm_config, BridgeConfig.from_extra(extra or {}))
+    return scheduler_side.SchedulerSide(vllm_config, BridgeConfig.from_extra(extra or {"insecure_no_auth": True}))
 
 
 def params(host: str) -> dict:

@@ -31,6 +31,7 @@ from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportCo
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
+from kvbridge.wire.keys import KeyRing
 from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
 
 if TYPE_CHECKING:
@@ -48,12 +49,13 @@ class PrefillWorker:
         mem_type: MemType = "DRAM",
         clock=time.monotonic,
         ipc: tuple[IpcHandle, ...] = (),
-        key: bytes | None = None,
+        key: bytes | KeyRing | None = None,
         regions: Sequence = (),
     ) -> None:
         """`ipc`: CUDA IPC handles of `memory`'s regions (`cuda_ipc.export_region`), published in the handshake
-        so that decode workers on this host can read with a GPU kernel instead of NIXL. `key`: the deployment key
-        (`wire.auth.load_key`); without one the side channel must listen on loopback (ConfigError otherwise).
+        so that decode workers on this host can read with a GPU kernel instead of NIXL. `key`: the deployment keys
+        (`wire.keys.load_keys`; bytes: one key); without one the side channel must listen on loopback (ConfigError
+        otherwise).
         `regions`: `memory`'s regions as tensors (`torch_memory.region_tensors`); with GPU memory they enable the
         staged NIXL path in VRAM (`nixl_staging_bytes`)."""
         self.identity = identity
@@ -118,7 +120,7 @@ class PrefillWorker:
         )
         sealer = (
             Sealer(self.key, window_s=self.config.auth_window_s, max_nonces=self.config.auth_max_nonces)
-            if self.key
+            if self.key is not None
             else None
         )
         self._server = SideChannelServer(

@@ -107,7 +107,7 @@ INSECURE_WARNING = (
 
 
 def new_key() -> str:
-    """A fresh deployment key: 32 random bytes as 64 hex characters (auth.check_key wants at least 16 bytes)."""
+    """A fresh deployment key: 32 random bytes as 64 hex characters (wire.keys.check_strength wants 32 bytes)."""
     return secrets.token_hex(32)
 
 
@@ -631,7 +631,11 @@ def complete_streaming(
 
 def kvbridge_config(role: str = "kv_both", policy: str | None = None, **extra: Any) -> dict[str, Any]:
     """The --kv-transfer-config for KVBridgeConnector: `role` is vLLM's kv_role, `policy` its
-    kv_load_failure_policy, `extra` becomes kv_connector_extra_config (see kvbridge.core.config.BridgeConfig)."""
+    kv_load_failure_policy, `extra` becomes kv_connector_extra_config (see kvbridge.core.config.BridgeConfig).
+    For the test and bench harnesses: an `extra` naming no key says `insecure_no_auth` (loopback servers started
+    together); `kvbridge serve` and `demo` build their own and set it only with --insecure-no-key."""
+    if not extra.keys() & {"auth_key", "auth_key_file", "insecure_no_auth"}:
+        extra["insecure_no_auth"] = True
     config: dict[str, Any] = {
         "kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "kvbridge.vllm",

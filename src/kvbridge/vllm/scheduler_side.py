@@ -35,7 +35,7 @@ from kvbridge.runtime.decode_worker import LoadJob
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import advertised_host, cache_groups, engine_layout
-from kvbridge.wire.auth import load_key
+from kvbridge.wire.keys import load_keys
 from kvbridge.wire.params import (
     PrefillDone,
     check_binding,
@@ -84,7 +84,8 @@ class SchedulerSide:
         self.is_producer = bool(kv.is_kv_producer)
         self.is_consumer = bool(kv.is_kv_consumer)
         config.check_role(self.is_producer, self.is_consumer)
-        self.key = load_key(config.auth_key, config.auth_key_file)
+        self.key = load_keys(config.auth_key, config.auth_key_file, config.auth_accepted_key_files)
+        config.check_auth(self.key is not None)
         if self.is_producer:
             config.check_exposure(self.key is not None)  # refuses a non-loopback side channel without a key
         if self.is_consumer and self.key is None:

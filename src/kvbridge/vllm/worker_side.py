@@ -21,7 +21,7 @@ from kvbridge.transport.torch_memory import memory_from_tensors, physical_order,
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import engine_layout, geometry, page_format, state_groups, worker_rank
-from kvbridge.wire.auth import load_key
+from kvbridge.wire.keys import load_keys
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +103,8 @@ class WorkerSide:
         self.engine_id = str(kv.engine_id)
         self.is_producer = bool(kv.is_kv_producer)
         self.is_consumer = bool(kv.is_kv_consumer)
-        self.key = load_key(config.auth_key, config.auth_key_file)
+        self.key = load_keys(config.auth_key, config.auth_key_file, config.auth_accepted_key_files)
+        config.check_auth(self.key is not None)
         self.prefill: PrefillWorker | None = None
         self.decode: DecodeWorker | None = None
         self.stats = KVBridgeStats()

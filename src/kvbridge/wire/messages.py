@@ -33,12 +33,14 @@ from kvbridge.core import topology
 from kvbridge.core.errors import IncompatiblePeerError, LayoutError, ProtocolError
 from kvbridge.core.token_runs import VERIFIED_FORMATS
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped only for a change an older peer cannot read correctly (see the module docstring).
 2: claims, notifications and aborts carry the request's token (a claim also its prompt hash) and are refused
 without it; claims pin the request for the read.
 3: sealed frames (wire.auth, `KVB2`) are encrypted and a sealed request is bound to its destination worker's
-identity (engine id, dp/pp/tp, port); version-2 sealed frames (`KVB1`) are dropped."""
+identity (engine id, dp/pp/tp, port); version-2 sealed frames (`KVB1`) are dropped.
+4: sealed frames are AES-GCM from `cryptography` under keys derived with HKDF and named by a key id (`KVB3`;
+`KVB1`/`KVB2` frames are dropped as old_format); signed params name their key id."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
