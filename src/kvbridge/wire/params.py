@@ -206,7 +206,11 @@ def check_binding(
             raise ParamsRefused("bad_signature", "kv_transfer_params: kvbridge_sig does not match the params")
     if done.remote_expires and now > done.remote_expires + window_s:
         ago = now - done.remote_expires
-        raise ParamsRefused("expired", f"kv_transfer_params: remote_expires passed {ago:.0f} s ago")
+        raise ParamsRefused(
+            "expired",
+            f"kv_transfer_params: remote_expires passed {ago:.0f} s ago by this host's clock (if the request is new, "
+            "this host's clock is ahead of the prefill host's by that much more than auth_window_s: fix the clocks)",
+        )
     layout = done.layout
     if layout.dp * layout.workers_per_engine > max_workers:
         raise ParamsRefused(
