@@ -35,7 +35,7 @@ from kvbridge.runtime.decode_worker import LoadJob
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import advertised_host, cache_groups, engine_layout
-from kvbridge.wire.keys import load_keys
+from kvbridge.wire.keys import load_keys, request_token
 from kvbridge.wire.params import (
     PrefillDone,
     check_binding,
@@ -360,7 +360,9 @@ class SchedulerSide:
             tp_size=self.layout.tp,
             pp_size=self.layout.pp,
             remote_prompt_hash=prompt_hash(prompt, kv_extras(request)),
-            remote_token=secrets.token_hex(16),
+            remote_token=secrets.token_hex(16)
+            if self.key is None
+            else request_token(self.key, self.engine_id, request.request_id, secrets.token_bytes(8)),
             remote_expires=round(time.time() + self.config.lease_s, 3),
         )
         if self.key is not None:
