@@ -118,6 +118,7 @@ class PrefillWorker:
             epoch=self.epoch,
             staging=self.stager.region if self.stager else None,
             staging_slot_bytes=self.stager.slot_bytes if self.stager else 0,
+            model=ident.model,
         )
         sealer = (
             Sealer(self.key, window_s=self.config.auth_window_s, max_nonces=self.config.auth_max_nonces)

@@ -32,6 +32,7 @@ from kvbridge.core.groups import (
 )
 from kvbridge.core.token_runs import span_of
 from kvbridge.runtime.decode_worker import LoadJob
+from kvbridge.vllm.fingerprint import model_fingerprint
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import advertised_host, cache_groups, engine_layout
@@ -90,6 +91,8 @@ class SchedulerSide:
             config.check_exposure(self.key is not None)  # refuses a non-loopback side channel without a key
         if self.is_consumer and self.key is None:
             _warn_keyless_consumer()
+        self.model = model_fingerprint(vllm_config).digest
+        """This engine's model fingerprint (`core.model_identity`): published in params, compared in theirs."""
         self.fail_refused = getattr(kv, "kv_load_failure_policy", "fail") == "fail"
         self.host = advertised_host(config)
         self._meta = KVBridgeMetadata()
@@ -186,6 +189,7 @@ class SchedulerSide:
             window_s=self.config.auth_window_s,
             check_prompt=self.config.check_prompt,
             extras=kv_extras(request),
+            model=self.model,
         )
         while self._seen and next(iter(self._seen.values()))[1] + self.config.auth_window_s < now:
             self._seen.popitem(last=False)
@@ -364,6 +368,7 @@ class SchedulerSide:
             if self.key is None
             else request_token(self.key, self.engine_id, request.request_id, secrets.token_bytes(8)),
             remote_expires=round(time.time() + self.config.lease_s, 3),
+            remote_model=self.model,
         )
         if self.key is not None:
             done = done.signed(self.key)

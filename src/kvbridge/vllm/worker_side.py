@@ -18,6 +18,7 @@ from kvbridge.runtime.decode_worker import DecodeWorker
 from kvbridge.runtime.nixl_reads import prepared_lists
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.transport.torch_memory import memory_from_tensors, physical_order, region_tensors
+from kvbridge.vllm.fingerprint import model_fingerprint
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import engine_layout, geometry, page_format, state_groups, worker_rank
@@ -141,6 +142,7 @@ class WorkerSide:
                 self.kv_cache_config,
             ),
             physical_order(memory),
+            model_fingerprint(self.vllm_config),
         )
         mem_type = "VRAM" if first.is_cuda else "DRAM"
         logger.info(

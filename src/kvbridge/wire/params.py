@@ -29,6 +29,8 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
                         this prompt's and no other's
     remote_token        the request's secret: claims, notifications and aborts must carry it
     remote_expires      unix time after which the prefill no longer holds the blocks for an unclaimed read
+    remote_model        the prefill's model fingerprint (`core.model_identity`: config, tokenizer, weights,
+                        quantization, kv_cache_dtype); a decode with another refuses the params
     kvbridge_key_id     which deployment key signed them (`wire.keys`: an instance accepts several while a key
                         is rotated)
     kvbridge_sig        HMAC-SHA256 of all the above with the params key derived from that deployment key
@@ -94,6 +96,8 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     remote_group_block_ids: list[list[BlockId]] = []
     remote_block_size: NonNegative = 0
     """Tokens per prefill block (kvbridge); 0 from older prefill instances: the decode's own."""
+    remote_model: str = ""
+    """The prefill's model fingerprint (`ModelFingerprint.digest`); "" from engines without one (tests)."""
     kvbridge_key_id: str = ""
     """The id (hex) of the deployment key whose params key made `kvbridge_sig`."""
 
@@ -186,9 +190,11 @@ def check_binding(
     window_s: float = 30.0,
     check_prompt: bool = True,
     extras: tuple[Any, ...] = (),
+    model: str = "",
 ) -> None:
     """Raise ParamsRefused (its `reason` is the metric label) unless `done` may be loaded for this prompt: signed
-    with `key` (when there is one), not expired, a layout within `max_workers`, and computed for exactly these
+    with `key` (when there is one), not expired, by an engine of this `model` fingerprint (when the params name
+    one: the handshake compares it part by part anyway), a layout within `max_workers`, and computed for exactly these
     tokens and `extras` (`kv_extras` of the request; `check_prompt` False skips only that last comparison: the
     tests' negative control). Nothing here
     connects anywhere or allocates anything."""
@@ -210,6 +216,12 @@ def check_binding(
             "expired",
             f"kv_transfer_params: remote_expires passed {ago:.0f} s ago by this host's clock (if the request is new, "
             "this host's clock is ahead of the prefill host's by that much more than auth_window_s: fix the clocks)",
+        )
+    if done.remote_model and done.remote_model != model:  # else the handshake compares the parts
+        raise ParamsRefused(
+            "model",
+            f"kv_transfer_params: remote_model (the prefill's model fingerprint) is {done.remote_model!r} but this "
+            f"instance's is {model!r}: another model, weights, tokenizer, quantization or kv_cache_dtype",
         )
     layout = done.layout
     if layout.dp * layout.workers_per_engine > max_workers:
@@ -267,6 +279,7 @@ def parse_prefill_done(params: dict[str, Any], max_blocks: int = MAX_BLOCKS) -> 
         or len(done.remote_request_id) > 512
         or len(done.remote_engine_id) > 512
         or len(done.kvbridge_key_id) > 64
+        or len(done.remote_model) > 64
     ):
         raise RequestParamsError("kv_transfer_params: remote_layout, remote_request_id or remote_engine_id too long")
     try:
