@@ -119,7 +119,7 @@ def params_of(engine: str, port: int, request_id: str = "r") -> PrefillDone:
 def padded_notify(pad: int) -> bytes:
     """A Notify frame `pad` bytes longer: receivers ignore unknown fields (newer peers may add some), so it is a
     valid message of any size."""
-    note = msgspec.to_builtins(wire.Notify(request_id="r", engine_id="d", worker=wire.Worker(), expected=1))
+    note = msgspec.to_builtins(wire.Notify(request_id="r", engine_id="d", worker=wire.Worker(), expected=1, token="t"))
     return msgspec.msgpack.encode({**note, "pad": "x" * pad})
 
 
@@ -216,7 +216,7 @@ def test_the_early_notification_bound_limits_what_unknown_ids_cost(kept):
             sc.exchange(
                 "127.0.0.1",
                 worker.port,
-                wire.Notify(request_id=f"never-{i}", engine_id="x", worker=wire.Worker(), expected=1),
+                wire.Notify(request_id=f"never-{i}", engine_id="x", worker=wire.Worker(), expected=1, token="t"),
                 timeout_s=5,
             )
             for i in range(20)
