@@ -112,7 +112,7 @@ def params_of(engine: str, port: int, request_id: str = "r") -> PrefillDone:
 def padded_notify(pad: int) -> bytes:
     """A Notify frame `pad` bytes longer: receivers ignore unknown fields (newer peers may add some), so it is a
     valid message of any size."""
-    note = msgspec.to_builtins(wire.Notify(request_id="r", engine_id="d", worker=wire.Worker(), expected=1))
+    note = msgspec.to_builtins(wire.Notify(request_id="r", engine_id="d", worker=wire.Worker(), expected=1, token="t"))
     return msgspec.msgpack.encode({**note, "pad": "x" * pad})
 
 
@@ -209,7 +209,7 @@ def test_the_early_notification_bound_limits_what_unknown_ids_cost(kept):
             sc.exchange(
                 "127.0.0.1",
                 worker.port,
-                wire.Notify(request_id=f"never-{i}", engine_id="x", worker=wire.Worker(), expected=1),
+                wire.Notify(request_id=f"never-{i}", engine_id="x", worker=wire.Worker(), expected=1, token="t"),
                 timeout_s=5,
             )
             for i in range(20)
@@ -314,7 +314,7 @@ def scheduler(**bounds):
     vllm_config = SimpleNamespace(
         kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=16)
     )
-    return SchedulerSide(vllm_config, BridgeConfig(**bounds))
+    return SchedulerSide(vllm_config, BridgeConfig(insecure_no_auth=True, **bounds))
 
 
 def ask(side, request_id: str, remote_request_id: str, blocks: int = 3) -> str | None:

@@ -1,4 +1,4 @@
-"""The deployment key: sealed side-channel frames (HMAC, replay window) and signed kv_transfer_params."""
+"""The deployment key: sealed side-channel frames (AES-GCM, replay window) and signed kv_transfer_params."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 
 from kvbridge.core.errors import ConfigError, ParamsRefused
 from kvbridge.wire import messages as wire
-from kvbridge.wire.auth import Sealer, load_key
+from kvbridge.wire.auth import Sealer
+from kvbridge.wire.keys import load_keys
 from kvbridge.wire.params import PrefillDone, check_binding, parse_prefill_done, prompt_hash
 from kvbridge.wire.side_channel import SideChannelServer, exchange
 
@@ -56,12 +57,14 @@ def test_frames_not_sealed_with_the_key_are_dropped_and_counted():
     assert server.dropped["unauthenticated"] == 3
 
 
-def test_stale_frames_are_dropped():
+def test_stale_frames_are_not_taken_but_answered_with_the_servers_clock():
+    """A request outside the window is not taken (no body): the server may only tell its sender its clock."""
     server_clock, client_clock = Clock(1000.0), Clock(1000.0 - 31)
-    frame, _ = Sealer(KEY, clock=client_clock).seal_request(b"x")
-    assert Sealer(KEY, clock=server_clock, window_s=30).open_request(frame) is None
+    frame, ticket = Sealer(KEY, clock=client_clock).seal_request(b"x")
+    server = Sealer(KEY, clock=server_clock, window_s=30)
+    assert server.open_request(frame) == (None, ticket) and server.dropped["stale"] == 1
     frame, _ = Sealer(KEY, clock=Clock(1000.0 - 29)).seal_request(b"x")
-    assert Sealer(KEY, clock=server_clock, window_s=30).open_request(frame) is not None
+    assert Sealer(KEY, clock=server_clock, window_s=30).open_request(frame)[0] == b"x"
 
 
 def test_seen_nonces_are_forgotten_after_the_window_and_bounded():
@@ -77,16 +80,16 @@ def test_seen_nonces_are_forgotten_after_the_window_and_bounded():
 
 
 def test_keys_come_from_a_value_or_a_file_never_a_default(tmp_path):
-    assert load_key(None, None) is None
+    assert load_keys(None, None) is None
     path = tmp_path / "key"
-    path.write_bytes(b"  0123456789abcdef0123  \n")
-    assert load_key(None, str(path)) == b"0123456789abcdef0123"
-    with pytest.raises(ConfigError, match="at least 16"):
-        load_key("short", None)
+    path.write_bytes(b"  " + b"0123456789abcdef" * 4 + b"  \n")
+    assert load_keys(None, str(path)).current.key_id == load_keys(("0123456789abcdef" * 4), None).current.key_id
+    with pytest.raises(ConfigError, match="auth_key holds 5 bytes"):
+        load_keys("short", None)
     with pytest.raises(ConfigError, match="cannot be read"):
-        load_key(None, str(tmp_path / "missing"))
+        load_keys(None, str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="not both"):
-        load_key("x" * 16, str(path))
+        load_keys("x" * 32, str(path))
 
 
 def test_a_keyed_server_answers_only_sealed_requests():
@@ -156,8 +159,13 @@ def test_edited_or_unsigned_params_are_refused(change, reason):
 
 
 def test_params_signed_with_another_key_are_refused():
-    with pytest.raises(ParamsRefused, match="kvbridge_sig"):
+    with pytest.raises(ParamsRefused, match="kvbridge_key_id") as err:
         check(params().signed(OTHER))
+    assert err.value.reason == "unknown_key"
+    ours = params().signed(KEY).kvbridge_key_id  # another key's signature under our key's id
+    with pytest.raises(ParamsRefused, match="kvbridge_sig") as err:
+        check(msgspec.structs.replace(params().signed(OTHER), kvbridge_key_id=ours))
+    assert err.value.reason == "bad_signature"
 
 
 def test_expired_params_are_refused():

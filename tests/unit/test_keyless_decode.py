@@ -27,7 +27,7 @@ def decode_side(extra: dict | None = None):
     vllm_config = SimpleNamespace(
         kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=16)
     )
-    return scheduler_side.SchedulerSide(vllm_config, BridgeConfig.from_extra(extra or {}))
+    return scheduler_side.SchedulerSide(vllm_config, BridgeConfig.from_extra(extra or {"insecure_no_auth": True}))
 
 
 def params(host: str) -> dict:
@@ -80,3 +80,29 @@ def test_a_keyless_consumer_warns_once(caplog, monkeypatch):
         decode_side()
         decode_side()
     assert sum("no auth key" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_connector_without_a_key_needs_the_insecure_flag():
+    """Keyless only behind `insecure_no_auth`, whose docs say what it exposes: without a key and without the flag
+    the connector refuses to start, naming both; the control: the flag (the default of these tests) or a key."""
+    from kvbridge.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no auth_key_file is set and insecure_no_auth is false"):
+        decode_side({"lease_s": 30.0})
+    assert decode_side({"insecure_no_auth": True}).key is None
+    assert decode_side({"auth_key": "k" * 32}).key is not None
+
+
+def test_kvbridge_serve_passes_the_flag_only_with_insecure_no_key(tmp_path, monkeypatch):
+    import argparse
+
+    from kvbridge.serving import serve
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    base = ["--role", "decode", "--model", "m", "--platform", "cpu"]
+    keyless = serve.spec_from_args(parser.parse_args([*base, "--insecure-no-key"])).extra_config()
+    keyed = serve.spec_from_args(parser.parse_args(base)).extra_config()
+    assert keyless.get("insecure_no_auth") is True and "auth_key_file" not in keyless
+    assert "insecure_no_auth" not in keyed and keyed["auth_key_file"]

@@ -22,7 +22,7 @@ from kvbridge.serving.launcher import (
     key_file_warning,
     private_key_file,
 )
-from kvbridge.wire.auth import load_key
+from kvbridge.wire.keys import load_keys, read_key_file
 
 
 def mode(path: Path) -> int:
@@ -32,8 +32,8 @@ def mode(path: Path) -> int:
 def test_a_private_key_file_is_owner_only_random_and_removed_afterwards():
     with private_key_file() as first, private_key_file() as second:
         assert mode(first) == 0o600 and mode(first.parent) == 0o700
-        assert load_key(None, str(first)) != load_key(None, str(second))  # a fresh key each time
-        assert len(load_key(None, str(first))) == 64
+        assert read_key_file(str(first)) != read_key_file(str(second))  # a fresh key each time
+        assert len(read_key_file(str(first))) == 64 and load_keys(None, str(first)) is not None
     assert not first.parent.exists() and not second.parent.exists()
     with pytest.raises(KeyboardInterrupt), private_key_file() as third:
         raise KeyboardInterrupt

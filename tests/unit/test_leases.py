@@ -112,3 +112,23 @@ def test_early_notifications_are_bounded_and_checked_when_the_hold_comes():
     assert len(book._early) == MAX_EARLY
     book.due(5.0)  # forgotten after early_ttl_s
     assert len(book._early) == 0
+
+
+def test_with_a_token_check_only_key_holders_notifications_take_room_before_the_hold():
+    """A full table of forged early notifications refused a key holder's (the flood of the transport-forgery
+    attack). With `token_check` (a MAC of the request id under the deployment key) forged ones take no room and
+    the key holder's is kept and applied at the hold; notifications without a token are refused either way.
+    Negative control: without the check the flood fills the table and the key holder's is refused."""
+
+    def check(request_id: str, token: str) -> bool:
+        return token == f"mac-of-{request_id}"
+
+    for checked in (True, False):
+        book = LeaseBook(lease_s=10, max_early=8, token_check=check if checked else None)
+        for i in range(100):
+            book.notified(f"forged-{i}", "guess", "x", "w", 1, now=0.0)
+        assert not book.notified("other", "", "d", "w", 1, now=0.0)
+        taken = book.notified("r", "mac-of-r", "d", "w", 1, now=0.0)
+        book.hold("r", 0.1, token="mac-of-r")
+        assert taken is checked and (book.due(0.2) == ({"r"}, set())) is checked
+        assert len(book._early) == (0 if checked else 8)

@@ -129,14 +129,14 @@ def test_a_failing_sibling_releases_the_prefills_whose_decodes_had_not_begun(rel
 
 def test_the_key_is_read_once_at_start_and_passed_to_every_release(releases, tmp_path):
     key_file = tmp_path / "key"
-    key_file.write_bytes(b"  s3cret-key\n")
+    key_file.write_bytes(b"  s3cret-key-of-32-bytes-at-least!\n")
     p, d = FakeBackend("p"), FakeBackend("d", status=500)
     with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url], auth_key_file=str(key_file)) as (url, _):
         key_file.write_bytes(b"changed")  # read at start, not per release
         for _ in range(2):
             assert httpx.post(url + "/v1/completions", json=BODY, timeout=10).status_code == 500
         wait_for(lambda: len(releases.calls) == 2)
-    assert [key for _, key, _ in releases.calls] == [b"s3cret-key"] * 2
+    assert [key for _, key, _ in releases.calls] == [b"s3cret-key-of-32-bytes-at-least!"] * 2
 
 
 def test_a_missing_or_empty_key_file_stops_the_proxy_before_it_serves(tmp_path):

@@ -6,8 +6,9 @@
 Unknown keys are refused (a typo must not silently fall back to a default).
 
 Security: `auth_key` / `auth_key_file` is the deployment's shared key (never a default). With it every
-side-channel message is authenticated and the prefill signs the kv_transfer_params it hands out; without it a
-side channel may only listen on loopback (`check_exposure`).
+side-channel message is authenticated and encrypted and the prefill signs the kv_transfer_params it hands out.
+Without it the connector starts only with `insecure_no_auth` (`check_auth`), and its side channel may only listen
+on loopback (`check_exposure`).
 """
 
 from __future__ import annotations
@@ -79,14 +80,28 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     None keeps vLLM's default. Both sides must use the same one (the handshake compares the page format)."""
 
     auth_key: str | None = None
-    """The deployment's shared secret (at least 16 bytes), the same on every prefill and decode instance. Prefer
-    auth_key_file; never leave a key in a command line that others can read."""
+    """The deployment's shared secret (at least 32 bytes of key material: 64 hex digits, or 32 other bytes), the
+    same on every prefill and decode instance. Prefer auth_key_file; never leave a key in a command line that
+    others can read."""
 
     auth_key_file: str | None = None
-    """A file holding the deployment's shared secret (surrounding whitespace ignored)."""
+    """A file holding the deployment's shared secret (surrounding whitespace ignored; at least 32 bytes of key
+    material: `openssl rand -hex 32`). This instance sends with it and accepts it."""
+
+    auth_accepted_key_files: tuple[str, ...] = ()
+    """Further key files this instance accepts but does not send with: the previous (or next) key while a key is
+    rotated instance by instance (`wire.keys`). Each needs the strength of auth_key_file."""
 
     auth_window_s: Seconds = 30.0
-    """Side-channel messages older or newer than this (clock difference included) are dropped as replays."""
+    """Side-channel requests whose time differs from the receiver's clock by more than this are not taken; the
+    receiver answers an authentic one with its clock, and the sender then times its requests to it by that clock
+    (`wire.auth`): hosts whose clocks differ keep working, and a sender whose request is still refused gets an
+    error naming the measured difference."""
+
+    insecure_no_auth: bool = False
+    """Run without a deployment key. Then any local process can handshake with the side channel, learn the NIXL
+    metadata and memory map, and READ and WRITE every request's KV (and free or pin requests); the side channel may
+    only listen on loopback. Without a key and without this flag the connector refuses to start."""
 
     max_remote_workers: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
     """Largest prefill layout (dp*pp*tp) a decode instance accepts in kv_transfer_params, checked before anything
@@ -225,6 +240,18 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             f"kv_connector_extra_config: side_channel_host {self.side_channel_host!r} is not a loopback address "
             "and no auth_key_file is set: anyone on that network could read every user's KV"
         )
+
+    def check_auth(self, has_key: bool) -> None:
+        """Refuse to run without a key unless `insecure_no_auth` says so (ConfigError naming both fields), and
+        refuse the flag beside a key (which one would apply?)."""
+        if has_key and self.insecure_no_auth:
+            raise ConfigError("kv_connector_extra_config: insecure_no_auth is true but an auth key is set: drop one")
+        if not has_key and not self.insecure_no_auth:
+            raise ConfigError(
+                "kv_connector_extra_config: no auth_key_file is set and insecure_no_auth is false: set auth_key_file "
+                "to the deployment key (kvbridge serve makes one), or insecure_no_auth: true to let any local "
+                "process handshake, read and write the KV"
+            )
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> BridgeConfig:

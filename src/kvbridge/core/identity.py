@@ -1,9 +1,11 @@
-"""Who a worker is: the engine it belongs to, the engine's layout, its ranks, and the model's KV geometry."""
+"""Who a worker is: the engine it belongs to, the engine's layout, its ranks, the model's KV geometry and the model's
+fingerprint."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvbridge.core.model_identity import ModelFingerprint
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 
 
@@ -15,6 +17,8 @@ class WorkerIdentity:
     rank: WorkerRank
     geometry: KVGeometry
     kv_layout: str = "LBHNC"
+    model: ModelFingerprint = field(default_factory=ModelFingerprint)
+    """What shapes the KV beyond the geometry (`core.model_identity`); empty without a model (tests)."""
 
     def __post_init__(self) -> None:
         self.layout.check(self.geometry)

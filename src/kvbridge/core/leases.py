@@ -15,7 +15,10 @@ prompt hash, only blocks of the request (each KV-cache group's of that group), a
 block lists, per group, in the order its params published them (`groups_digest`): params whose blocks were
 reordered, repeated, replaced or moved to another group would load KV into the wrong positions, also without a
 deployment key to sign them. Notifications may arrive before the hold (without
-claims): a few are kept, briefly, and checked against the token once the hold comes.
+claims): a few are kept, briefly, and checked against the token once the hold comes. With a deployment key a
+request's token is a MAC of its id (`wire.keys.request_token`) that `token_check` verifies before anything is
+kept, so only key holders' notifications take room in that bounded table: a forged flood (NIXL notifications are
+not sealed) cannot fill it and make a key holder's notification be refused.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import hmac
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 READ_MARGIN_S = 5.0
@@ -106,6 +109,9 @@ class LeaseBook:
     check_blocks: bool = True  # False only in tests that show what wrong blocks do (config `check_blocks`)
     max_early: int = MAX_EARLY  # requests with early notifications kept at once (config `max_early_notes`)
     early_notes_per_request: int = EARLY_NOTES_PER_REQUEST
+    token_check: Callable[[str, str], bool] | None = None
+    """(request id, token) -> whether the token is one a key holder made for that request (`wire.keys`), checked
+    before a notification for a request not held yet is kept; None (no key): any non-empty token is kept."""
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _early: OrderedDict[str, _Early] = field(default_factory=OrderedDict)
     _aborted: set[str] = field(default_factory=set)
@@ -189,6 +195,9 @@ class LeaseBook:
         entry = self._entries.get(request_id)
         if entry is not None:
             return self._note(entry, token, engine, worker, expected)
+        if not token or (self.token_check is not None and not self.token_check(request_id, token)):
+            self.refused_total += 1  # not a key holder's: never takes room that a key holder's may need
+            return False
         early = self._early.get(request_id)
         if early is None:
             if len(self._early) >= self.max_early:

@@ -96,7 +96,7 @@ class DecodeWorker:
         handshake_threads: int | None = None,
     ) -> None:
         """`regions`: `memory`'s regions as tensors (`torch_memory.region_tensors`); with GPU memory they enable
-        the CUDA IPC path (config.gpu_peer_copy). `key`: the deployment key (`wire.auth.load_key`).
+        the CUDA IPC path (config.gpu_peer_copy). `key`: the deployment keys (`wire.keys.load_keys`).
         `handshake_threads`: the handshakes' own pool (None: half the control threads, at least 1), so that
         handshakes to silent engines never hold the threads that claim for connected ones; 0: they
         share the control pool (the old way, kept for the negative control)."""
@@ -104,7 +104,7 @@ class DecodeWorker:
         self.memory = memory
         self.config = config
         self.mem_type = mem_type
-        self.sealer = Sealer(key, window_s=config.auth_window_s) if key else None
+        self.sealer = Sealer(key, window_s=config.auth_window_s) if key is not None else None
         self._regions = tuple(regions)
         self._lock = threading.Lock()  # results and stats
         self._reported = threading.Condition(self._lock)  # notified when a load is reported

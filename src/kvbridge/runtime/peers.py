@@ -169,6 +169,7 @@ class PeerBook:
                 ident.kv_layout,
                 self.memory,
                 target=(source.remote_dp_rank, rank),
+                model=ident.model,
             )
             reply = fetch_handshake(
                 *address(source, rank),

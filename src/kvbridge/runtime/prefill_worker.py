@@ -31,6 +31,7 @@ from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportCo
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
+from kvbridge.wire.keys import KeyRing, token_is_ours
 from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
 
 if TYPE_CHECKING:
@@ -48,12 +49,13 @@ class PrefillWorker:
         mem_type: MemType = "DRAM",
         clock=time.monotonic,
         ipc: tuple[IpcHandle, ...] = (),
-        key: bytes | None = None,
+        key: bytes | KeyRing | None = None,
         regions: Sequence = (),
     ) -> None:
         """`ipc`: CUDA IPC handles of `memory`'s regions (`cuda_ipc.export_region`), published in the handshake
-        so that decode workers on this host can read with a GPU kernel instead of NIXL. `key`: the deployment key
-        (`wire.auth.load_key`); without one the side channel must listen on loopback (ConfigError otherwise).
+        so that decode workers on this host can read with a GPU kernel instead of NIXL. `key`: the deployment keys
+        (`wire.keys.load_keys`; bytes: one key); without one the side channel must listen on loopback (ConfigError
+        otherwise).
         `regions`: `memory`'s regions as tensors (`torch_memory.region_tensors`); with GPU memory they enable the
         staged NIXL path in VRAM (`nixl_staging_bytes`)."""
         self.identity = identity
@@ -72,6 +74,7 @@ class PrefillWorker:
             check_blocks=config.check_blocks,
             max_early=config.max_early_notes,
             early_notes_per_request=config.early_notes_per_request,
+            token_check=token_check(key, identity.engine_id),
         )
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when a lease may have ended (under _lock)
@@ -115,10 +118,11 @@ class PrefillWorker:
             epoch=self.epoch,
             staging=self.stager.region if self.stager else None,
             staging_slot_bytes=self.stager.slot_bytes if self.stager else 0,
+            model=ident.model,
         )
         sealer = (
             Sealer(self.key, window_s=self.config.auth_window_s, max_nonces=self.config.auth_max_nonces)
-            if self.key
+            if self.key is not None
             else None
         )
         self._server = SideChannelServer(
@@ -274,7 +278,7 @@ class PrefillWorker:
                 except ProtocolError as exc:
                     logger.warning("kvbridge prefill %s: bad notification from %s: %s", self.identity, agent, exc)
                     continue
-                if isinstance(msg, wire.Notify):
+                if isinstance(msg, wire.Notify) and msg.token:  # a notification without its token is ignored
                     decoded.append(msg)
         with self._lock:
             for msg in decoded:
@@ -313,6 +317,15 @@ def _warn_once(text: str) -> None:
     if text not in _warned:
         _warned.add(text)
         logger.warning(text)
+
+
+def token_check(key: bytes | KeyRing | None, engine_id: str):
+    """The lease book's check of a token before its request is held: a MAC under the deployment keys of this
+    engine's request (`wire.keys.request_token`); None without a key."""
+    if key is None:
+        return None
+    ring = KeyRing.of(key)
+    return lambda request_id, token: token_is_ours(ring, engine_id, request_id, token)
 
 
 def staging_copies(mem_type: MemType, regions: Sequence, memory: WorkerMemory) -> tuple | None:

@@ -73,7 +73,7 @@ def _cores(workers: int, side: int) -> str:
 def _server(
     name: str, model: Path, layout: ParallelLayout, side: int, workdir: Path, key_file: Path | None
 ) -> VllmServer:
-    secure = {"auth_key_file": str(key_file)} if key_file is not None else {}
+    secure = {"auth_key_file": str(key_file)} if key_file is not None else {"insecure_no_auth": True}
     return VllmServer(
         model,
         port=free_port(),

@@ -21,7 +21,7 @@ INSECURE_WARNING = (
 
 
 def new_key() -> str:
-    """A fresh deployment key: 32 random bytes as 64 hex characters (auth.check_key wants at least 16 bytes)."""
+    """A fresh deployment key: 32 random bytes as 64 hex characters (wire.keys.check_strength wants 32 bytes)."""
     return secrets.token_hex(32)
 
 

@@ -131,6 +131,8 @@ class ServeSpec:
         extra = dict(self.kv_extra)
         if self.auth_key_file is not None and not extra.keys() & {"auth_key", "auth_key_file"}:
             extra["auth_key_file"] = self.auth_key_file
+        if not extra.keys() & {"auth_key", "auth_key_file"}:  # --insecure-no-key: the connector needs the flag
+            extra.setdefault("insecure_no_auth", True)
         if self.side_channel_port is not None:
             extra["side_channel_port"] = self.side_channel_port
         if self.lease_s is not None:

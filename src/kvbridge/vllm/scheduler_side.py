@@ -32,10 +32,11 @@ from kvbridge.core.groups import (
 )
 from kvbridge.core.token_runs import span_of
 from kvbridge.runtime.decode_worker import LoadJob
+from kvbridge.vllm.fingerprint import model_fingerprint
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import advertised_host, cache_groups, engine_layout
-from kvbridge.wire.auth import load_key
+from kvbridge.wire.keys import load_keys, request_token
 from kvbridge.wire.params import (
     PrefillDone,
     check_binding,
@@ -84,11 +85,14 @@ class SchedulerSide:
         self.is_producer = bool(kv.is_kv_producer)
         self.is_consumer = bool(kv.is_kv_consumer)
         config.check_role(self.is_producer, self.is_consumer)
-        self.key = load_key(config.auth_key, config.auth_key_file)
+        self.key = load_keys(config.auth_key, config.auth_key_file, config.auth_accepted_key_files)
+        config.check_auth(self.key is not None)
         if self.is_producer:
             config.check_exposure(self.key is not None)  # refuses a non-loopback side channel without a key
         if self.is_consumer and self.key is None:
             _warn_keyless_consumer()
+        self.model = model_fingerprint(vllm_config).digest
+        """This engine's model fingerprint (`core.model_identity`): published in params, compared in theirs."""
         self.fail_refused = getattr(kv, "kv_load_failure_policy", "fail") == "fail"
         self.host = advertised_host(config)
         self._meta = KVBridgeMetadata()
@@ -185,6 +189,7 @@ class SchedulerSide:
             window_s=self.config.auth_window_s,
             check_prompt=self.config.check_prompt,
             extras=kv_extras(request),
+            model=self.model,
         )
         while self._seen and next(iter(self._seen.values()))[1] + self.config.auth_window_s < now:
             self._seen.popitem(last=False)
@@ -359,8 +364,11 @@ class SchedulerSide:
             tp_size=self.layout.tp,
             pp_size=self.layout.pp,
             remote_prompt_hash=prompt_hash(prompt, kv_extras(request)),
-            remote_token=secrets.token_hex(16),
+            remote_token=secrets.token_hex(16)
+            if self.key is None
+            else request_token(self.key, self.engine_id, request.request_id, secrets.token_bytes(8)),
             remote_expires=round(time.time() + self.config.lease_s, 3),
+            remote_model=self.model,
         )
         if self.key is not None:
             done = done.signed(self.key)

@@ -18,10 +18,11 @@ from kvbridge.runtime.decode_worker import DecodeWorker
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.runtime.prepared_reads import prepared_lists
 from kvbridge.transport.torch_memory import memory_from_tensors, physical_order, region_tensors
+from kvbridge.vllm.fingerprint import model_fingerprint
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import engine_layout, geometry, page_format, state_groups, worker_rank
-from kvbridge.wire.auth import load_key
+from kvbridge.wire.keys import load_keys
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +104,8 @@ class WorkerSide:
         self.engine_id = str(kv.engine_id)
         self.is_producer = bool(kv.is_kv_producer)
         self.is_consumer = bool(kv.is_kv_consumer)
-        self.key = load_key(config.auth_key, config.auth_key_file)
+        self.key = load_keys(config.auth_key, config.auth_key_file, config.auth_accepted_key_files)
+        config.check_auth(self.key is not None)
         self.prefill: PrefillWorker | None = None
         self.decode: DecodeWorker | None = None
         self.stats = KVBridgeStats()
@@ -140,6 +142,7 @@ class WorkerSide:
                 self.kv_cache_config,
             ),
             physical_order(memory),
+            model_fingerprint(self.vllm_config),
         )
         mem_type = "VRAM" if first.is_cuda else "DRAM"
         logger.info(

@@ -31,14 +31,17 @@ import msgspec
 from kvbridge.core import memory as mem
 from kvbridge.core import topology
 from kvbridge.core.errors import IncompatiblePeerError, LayoutError, ProtocolError
+from kvbridge.core.model_identity import ModelFingerprint
 from kvbridge.core.token_runs import VERIFIED_FORMATS
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped only for a change an older peer cannot read correctly (see the module docstring).
 2: claims, notifications and aborts carry the request's token (a claim also its prompt hash) and are refused
 without it; claims pin the request for the read.
 3: sealed frames (wire.auth, `KVB2`) are encrypted and a sealed request is bound to its destination worker's
-identity (engine id, dp/pp/tp, port); version-2 sealed frames (`KVB1`) are dropped."""
+identity (engine id, dp/pp/tp, port); version-2 sealed frames (`KVB1`) are dropped.
+4: sealed frames are AES-GCM from `cryptography` under keys derived with HKDF and named by a key id (`KVB3`;
+`KVB1`/`KVB2` frames are dropped as old_format); signed params name their key id."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -134,6 +137,26 @@ class Geometry(_Struct, kw_only=True):
             kv_scales=self.kv_scales,
             kernel=self.kernel,
         )
+
+
+Digest = Annotated[str, msgspec.Meta(max_length=128)]
+
+
+class Model(_Struct, kw_only=True):
+    """model_identity.ModelFingerprint: what shapes the KV beyond the geometry, one digest per part."""
+
+    config: Digest = ""
+    tokenizer: Digest = ""
+    weights: Digest = ""
+    quantization: Digest = ""
+    kv_cache_dtype: Digest = ""
+
+    @classmethod
+    def from_core(cls, model: ModelFingerprint) -> Model:
+        return cls(**{f: getattr(model, f) for f in cls.__struct_fields__})
+
+    def to_core(self) -> ModelFingerprint:
+        return ModelFingerprint(**{f: getattr(self, f) for f in self.__struct_fields__})
 
 
 class Region(_Struct, kw_only=True):
@@ -260,6 +283,8 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
     state_bytes: NonNegative = 0
     """Bytes of the decode worker's state pages (Mamba layers; 0: none): one TP rank's conv and SSM state, so a
     peer of another TP size (or another state dtype or conv layout) has another size and is refused."""
+    model: Model | None = None
+    """The decode's model fingerprint (`core.model_identity`); None: an engine without one (tests)."""
 
     def __post_init__(self) -> None:
         _check_worker(self)
@@ -275,6 +300,7 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
         kv_layout: str,
         memory: mem.WorkerMemory,
         target: tuple[int, topology.WorkerRank] | None = None,
+        model: ModelFingerprint | None = None,
     ) -> HandshakeRequest:
         """A request from core values; the page format is taken from the decode worker's `memory`."""
         num_planes, row_bytes = _page_format(Memory.from_core(memory).layers)
@@ -289,6 +315,7 @@ class HandshakeRequest(_Message, tag="handshake_request", kw_only=True):
             target=None if target is None else Worker.from_core(*target),
             token_layout=_token_format(memory.layers),
             state_bytes=_state_bytes(Memory.from_core(memory).layers),
+            model=_model(model),
         )
 
     def page_format(self) -> tuple[int, int]:
@@ -337,6 +364,9 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     staging_slot_bytes: NonNegative = 0
     """The largest chunk it stages at once (a slot of `staging`); 0: no staged path."""
 
+    model: Model | None = None
+    """The prefill's model fingerprint (`core.model_identity`); None: an engine without one (tests)."""
+
     def __post_init__(self) -> None:
         _check_worker(self)
         _page_format(self.memory.layers)
@@ -359,6 +389,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         epoch: str = "",
         staging: mem.Region | None = None,
         staging_slot_bytes: int = 0,
+        model: ModelFingerprint | None = None,
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -374,6 +405,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             epoch=epoch,
             staging=None if staging is None else Region.from_core(staging),
             staging_slot_bytes=staging_slot_bytes,
+            model=_model(model),
         )
 
     def page_format(self) -> tuple[int, int]:
@@ -622,7 +654,9 @@ def check_compatible(ours: Peer, theirs: Peer) -> None:
     Compared, in order: protocol_version, the geometry (num_layers, num_kv_heads, head_size, dtype, kernel;
     then a quantized cache's k_scale and v_scale on the layers both hold), block_size (which may differ where both
     sides' pages keep tokens addressable: `core.token_runs`), the page format (num_planes, row_bytes) and, where
-    both hold state layers (Mamba), the state pages' size (`state_bytes`).
+    both hold state layers (Mamba), the state pages' size (`state_bytes`), then the model fingerprint
+    (`core.model_identity`: config, tokenizer, weights, quantization, kv_cache_dtype; the error names the parts
+    that differ).
     The physical layout names (`kv_layout`) may differ: descriptors are computed
     from strides. Then each side's own handshake must agree with itself (ProtocolError otherwise): its layout must
     fit the geometry and hold its worker, and a reply's memory must hold every layer of its stage with the KV
@@ -646,6 +680,10 @@ def check_compatible(ours: Peer, theirs: Peer) -> None:
             raise IncompatiblePeerError(field, mine, other)
     if ours.state_format() and theirs.state_format() and ours.state_format() != theirs.state_format():
         raise IncompatiblePeerError("state_bytes", ours.state_format(), theirs.state_format())
+    mine, other = (peer.model.to_core() if peer.model else ModelFingerprint() for peer in (ours, theirs))
+    differ = mine.differences(other)
+    if differ:
+        raise IncompatiblePeerError("model_fingerprint", mine.describe(differ), other.describe(differ))
     for peer in (ours, theirs):
         problem = next(_inconsistencies(peer), None)
         if problem is not None:
@@ -691,6 +729,10 @@ def _inconsistencies(peer: Peer) -> Iterator[str]:
             yield f"layer {layer.layer} holds {layer.num_heads} KV heads, tp rank {rank.tp} has {heads}"
         if layer.block_size != geometry.block_size:
             yield f"layer {layer.layer} has block_size {layer.block_size}, geometry {geometry.block_size}"
+
+
+def _model(model: ModelFingerprint | None) -> Model | None:
+    return Model.from_core(model) if model is not None and model.digest else None
 
 
 def _check_worker(peer: Peer) -> None:

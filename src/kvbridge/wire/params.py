@@ -29,7 +29,12 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
                         this prompt's and no other's
     remote_token        the request's secret: claims, notifications and aborts must carry it
     remote_expires      unix time after which the prefill no longer holds the blocks for an unclaimed read
-    kvbridge_sig        HMAC of all the above with the deployment key (absent without a key)
+    remote_model        the prefill's model fingerprint (`core.model_identity`: config, tokenizer, weights,
+                        quantization, kv_cache_dtype); a decode with another refuses the params
+    kvbridge_key_id     which deployment key signed them (`wire.keys`: an instance accepts several while a key
+                        is rotated)
+    kvbridge_sig        HMAC-SHA256 of all the above with the params key derived from that deployment key
+                        (absent without a key)
 
 A decode instance loads the KV only for a request whose prompt (its first N-1 tokens with state) has
 `remote_num_tokens` tokens hashing, with its `kv_extras`, to `remote_prompt_hash` (`check_binding`), and with a
@@ -51,9 +56,10 @@ import msgspec
 from kvbridge.core.errors import LayoutError, ParamsRefused, RequestParamsError
 from kvbridge.core.topology import ParallelLayout
 from kvbridge.wire import auth
+from kvbridge.wire.keys import KeyRing
 from kvbridge.wire.messages import PROTOCOL_VERSION
 
-_SIGNED = b"kv_transfer_params-v1"
+_SIGNED = b"kv_transfer_params-v2"
 _EXTRAS_TAG = b"kvbridge-kv-extras-v1\0"
 MAX_WORKERS = 65536
 """No parsed params name a larger prefill layout (the config's max_remote_workers is usually far smaller)."""
@@ -90,6 +96,10 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     remote_group_block_ids: list[list[BlockId]] = []
     remote_block_size: NonNegative = 0
     """Tokens per prefill block (kvbridge); 0 from older prefill instances: the decode's own."""
+    remote_model: str = ""
+    """The prefill's model fingerprint (`ModelFingerprint.digest`); "" from engines without one (tests)."""
+    kvbridge_key_id: str = ""
+    """The id (hex) of the deployment key whose params key made `kvbridge_sig`."""
 
     @property
     def layout(self) -> ParallelLayout:
@@ -106,12 +116,20 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     def _payload(self) -> bytes:
         return msgspec.msgpack.encode(msgspec.structs.replace(self, kvbridge_sig=""))
 
-    def signed(self, key: bytes) -> PrefillDone:
-        """These params with `kvbridge_sig` set: an HMAC over every other field."""
-        return msgspec.structs.replace(self, kvbridge_sig=auth.sign(key, _SIGNED, self._payload()))
+    def signed(self, key: bytes | KeyRing) -> PrefillDone:
+        """These params with `kvbridge_key_id` (the current key's) and `kvbridge_sig` set: an HMAC over every
+        other field with the params key derived from the deployment key."""
+        current = KeyRing.of(key).current
+        named = msgspec.structs.replace(self, kvbridge_key_id=current.key_id.hex())
+        return msgspec.structs.replace(named, kvbridge_sig=auth.sign(current.params, _SIGNED, named._payload()))
 
-    def verify(self, key: bytes) -> bool:
-        return auth.verify(key, _SIGNED, self._payload(), self.kvbridge_sig)
+    def verify(self, key: bytes | KeyRing) -> bool:
+        """Whether one of the accepted keys (the one `kvbridge_key_id` names) signed these params."""
+        try:
+            signer = KeyRing.of(key).get(bytes.fromhex(self.kvbridge_key_id))
+        except ValueError:
+            return False
+        return signer is not None and auth.verify(signer.params, _SIGNED, self._payload(), self.kvbridge_sig)
 
 
 def prompt_hash(token_ids: Sequence[int], extras: tuple[Any, ...] = ()) -> str:
@@ -166,26 +184,45 @@ def check_binding(
     done: PrefillDone,
     prompt_token_ids: Sequence[int],
     *,
-    key: bytes | None,
+    key: bytes | KeyRing | None,
     now: float,
     max_workers: int,
     window_s: float = 30.0,
     check_prompt: bool = True,
     extras: tuple[Any, ...] = (),
+    model: str = "",
 ) -> None:
     """Raise ParamsRefused (its `reason` is the metric label) unless `done` may be loaded for this prompt: signed
-    with `key` (when there is one), not expired, a layout within `max_workers`, and computed for exactly these
+    with `key` (when there is one), not expired, by an engine of this `model` fingerprint (when the params name
+    one: the handshake compares it part by part anyway), a layout within `max_workers`, and computed for exactly these
     tokens and `extras` (`kv_extras` of the request; `check_prompt` False skips only that last comparison: the
     tests' negative control). Nothing here
     connects anywhere or allocates anything."""
     if key is not None:
         if not done.kvbridge_sig:
             raise ParamsRefused("unsigned", "kv_transfer_params: kvbridge_sig is missing (this decode has a key)")
-        if not done.verify(key):
+        ring = KeyRing.of(key)
+        if done.kvbridge_key_id not in ring.ids:
+            raise ParamsRefused(
+                "unknown_key",
+                f"kv_transfer_params: kvbridge_key_id {done.kvbridge_key_id!r} is none of this instance's keys "
+                f"{list(ring.ids)} (a key rotated on the prefill but not here? see auth_accepted_key_files)",
+            )
+        if not done.verify(ring):
             raise ParamsRefused("bad_signature", "kv_transfer_params: kvbridge_sig does not match the params")
     if done.remote_expires and now > done.remote_expires + window_s:
         ago = now - done.remote_expires
-        raise ParamsRefused("expired", f"kv_transfer_params: remote_expires passed {ago:.0f} s ago")
+        raise ParamsRefused(
+            "expired",
+            f"kv_transfer_params: remote_expires passed {ago:.0f} s ago by this host's clock (if the request is new, "
+            "this host's clock is ahead of the prefill host's by that much more than auth_window_s: fix the clocks)",
+        )
+    if done.remote_model and done.remote_model != model:  # else the handshake compares the parts
+        raise ParamsRefused(
+            "model",
+            f"kv_transfer_params: remote_model (the prefill's model fingerprint) is {done.remote_model!r} but this "
+            f"instance's is {model!r}: another model, weights, tokenizer, quantization or kv_cache_dtype",
+        )
     layout = done.layout
     if layout.dp * layout.workers_per_engine > max_workers:
         raise ParamsRefused(
@@ -237,7 +274,13 @@ def parse_prefill_done(params: dict[str, Any], max_blocks: int = MAX_BLOCKS) -> 
         done = msgspec.convert(raw, PrefillDone)
     except msgspec.ValidationError as exc:
         raise RequestParamsError(f"kv_transfer_params: {exc}") from None
-    if len(done.remote_layout) > 64 or len(done.remote_request_id) > 512 or len(done.remote_engine_id) > 512:
+    if (
+        len(done.remote_layout) > 64
+        or len(done.remote_request_id) > 512
+        or len(done.remote_engine_id) > 512
+        or len(done.kvbridge_key_id) > 64
+        or len(done.remote_model) > 64
+    ):
         raise RequestParamsError("kv_transfer_params: remote_layout, remote_request_id or remote_engine_id too long")
     try:
         layout = done.layout

@@ -15,6 +15,7 @@ from typing import Any
 from kvbridge.core.errors import RequestParamsError
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
+from kvbridge.wire.keys import KeyRing
 from kvbridge.wire.params import parse_prefill_done
 from kvbridge.wire.side_channel import SideChannelClient, side_channel_port
 
@@ -24,7 +25,9 @@ RELEASER = "kvbridge-release"
 """The engine id releases are sent under (no decode engine is called that)."""
 
 
-def release_prefill(params: Mapping[str, Any], key: bytes | None, timeout_s: float = 2.0, reason: str = "") -> int:
+def release_prefill(
+    params: Mapping[str, Any], key: bytes | KeyRing | None, timeout_s: float = 2.0, reason: str = ""
+) -> int:
     """Send an Abort for the request `params` name to each of its prefill workers; the number that took it.
 
     Never raises: a release is an optimisation (the lease frees the blocks anyway), so bad params or an
@@ -49,7 +52,7 @@ def release_prefill(params: Mapping[str, Any], key: bytes | None, timeout_s: flo
         reason=reason,
         token=done.remote_token,
     )
-    client = SideChannelClient(timeout_s=timeout_s, retries=0, sealer=Sealer(key) if key else None)
+    client = SideChannelClient(timeout_s=timeout_s, retries=0, sealer=Sealer(key) if key is not None else None)
     try:
         answers = client.exchange_all(targets, message, identities)
     finally:

@@ -44,7 +44,7 @@ from kvbridge.core.errors import (
 from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread, zmq_context
-from kvbridge.wire.auth import Sealer, destination
+from kvbridge.wire.auth import ClockSkew, Sealer, destination
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +172,10 @@ def _answer_frames(
             if len(body) != 1:
                 sealer.dropped["unauthenticated"] += 1
             return None
-        data, nonce = opened
-        return [*envelope, sealer.seal_answer(respond(data, handler), nonce)]
+        data, ticket = opened
+        if data is None:  # authentic but outside the window: tell its sender our clock, nothing else
+            return [*envelope, sealer.seal_stale(ticket)]
+        return [*envelope, sealer.seal_answer(respond(data, handler), ticket)]
     if len(body) != 1:
         error = wire.ErrorReply(message=f"expected one message frame, got {len(body)}")
         return [*envelope, wire.encode(error)]
@@ -507,22 +509,32 @@ def exchange(
         raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
     payload = wire.encode(message)
     address = endpoint(host, port)
+    dest = destination(port, *identity)
     timeout_ms = max(1, round(timeout_s * 1000))
     started = time.monotonic()
-    for attempt in range(1 + retries):
+    attempts, attempt = 1 + retries, 0
+    while attempt < attempts:
+        attempt += 1
         try:
             sock = _dealer(address, timeout_ms, max_answer_bytes)
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
         try:
-            frame, nonce = sealer.seal_request(payload, destination(port, *identity)) if sealer else (payload, b"")
+            frame, ticket = sealer.seal_request(payload, dest) if sealer else (payload, b"")
             try:
                 sock.send(frame)
             except zmq.Again:
                 continue
             if sock.poll(timeout_ms, zmq.POLLIN):
-                return _decode_answer(sock.recv_multipart(), address, sealer, nonce)
-            logger.debug("side channel %s: attempt %d timed out", address, attempt + 1)
+                try:
+                    return _decode_answer(sock.recv_multipart(), address, sealer, ticket, dest)
+                except ClockSkew as exc:
+                    if attempts > 1 + retries:  # timed by its clock already: still stale
+                        raise
+                    _note_skew(address, exc)
+                    attempts += 1  # once: the next attempt is timed by the peer's clock
+                    continue
+            logger.debug("side channel %s: attempt %d timed out", address, attempt)
         finally:
             sock.close(linger=0)
     raise TransferTimeout(
@@ -577,9 +589,12 @@ class SideChannelClient:
             for i, (host, port) in enumerate(targets)
         }
         answers: dict[str, wire.Message | Exception] = {}
+        skewed: set[str] = set()  # answered "stale" once: asked again, timed by the peer's clock
         timeout_ms = max(1, round(self.timeout_s * 1000))
         started = time.monotonic()
-        for attempt in range(1 + self.retries):
+        attempts, attempt = 1 + self.retries, 0
+        while attempt < attempts:
+            attempt += 1
             pending = [a for a in dict.fromkeys(addresses) if a not in answers]
             if not pending:
                 break
@@ -607,13 +622,20 @@ class SideChannelClient:
                     poller.unregister(sock)
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
-                        answers[address] = _decode_answer(frames, address, self.sealer, nonces[address])
+                        answers[address] = _decode_answer(frames, address, self.sealer, nonces[address], dests[address])
+                    except ClockSkew as exc:
+                        if address in skewed:  # timed by its clock already: still stale
+                            answers[address] = exc
+                        else:
+                            skewed.add(address)
+                            _note_skew(address, exc)
+                            attempts = max(attempts, attempt + 1)
                     except (KVBridgeError, zmq.ZMQError) as exc:
                         self._drop(address)
                         answers[address] = exc
             for address in polling.values():  # unanswered: a late answer must not meet the next message
                 self._drop(address)
-                logger.debug("side channel %s: attempt %d timed out", address, attempt + 1)
+                logger.debug("side channel %s: attempt %d timed out", address, attempt)
         for address in addresses:
             answers.setdefault(
                 address,
@@ -713,11 +735,23 @@ def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BY
 _KEY_HINT = " (a server with a deployment key drops what is not sealed with it: are the auth keys equal?)"
 
 
-def _decode_answer(frames: list[bytes], address: str, sealer: Sealer | None = None, nonce: bytes = b"") -> wire.Message:
+def _note_skew(address: str, skew: ClockSkew) -> None:
+    logger.warning(
+        "side channel %s: its clock differs from this host's by %+.1f s; its requests are now timed by its clock "
+        "(fix the clocks: NTP)",
+        address,
+        skew.skew_s,
+    )
+
+
+def _decode_answer(
+    frames: list[bytes], address: str, sealer: Sealer | None = None, ticket: bytes = b"", dest: bytes | None = None
+) -> wire.Message:
+    """The message in an answer; ClockSkew if the peer refused our request as stale (its offset is kept)."""
     if len(frames) != 1:
         raise ProtocolError(f"the side channel {address} answered with {len(frames)} frames, expected 1")
     if sealer is not None:
-        body = sealer.open_answer(frames[0], nonce)
+        body = sealer.open_answer(frames[0], ticket, dest)
         if body is None:
             raise ProtocolError(f"the side channel {address} answered with a frame not sealed with our key")
         frames = [body]

@@ -103,4 +103,6 @@ def read_auth_key(path: str | None) -> bytes | None:
         raise ConfigError(f"cannot read auth_key_file {path}: {exc.strerror}") from None
     if not key:
         raise ConfigError(f"auth_key_file {path} is empty")
-    return key
+    from kvbridge.wire.keys import check_strength
+
+    return check_strength(key, f"auth_key_file {path}")
