@@ -732,7 +732,10 @@ def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BY
     return sock
 
 
-_KEY_HINT = " (a server with a deployment key drops what is not sealed with it: are the auth keys equal?)"
+_KEY_HINT = (
+    " (a server with a deployment key drops what is not sealed with it: are the auth keys equal, or accepted there, "
+    "and the frame formats (kvbridge versions) the same? its log counts the drops by reason)"
+)
 
 
 def _note_skew(address: str, skew: ClockSkew) -> None:
