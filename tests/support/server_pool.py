@@ -83,16 +83,16 @@ class ServerPool:
 
     def release_idle(self) -> None:
         """Stop every idle server."""
-        while self._idle:
-            self._idle.popitem(last=False)[1].stop()
+        servers = list(self._idle.values())
+        self._idle.clear()
+        _stop_all(servers)
 
     def close(self) -> None:
         """Stop every server (idle or still leased)."""
         servers = [*self._idle.values(), *self._leased.values()]
         self._idle.clear()
         self._leased.clear()
-        for server in servers:
-            server.stop()
+        _stop_all(servers)
 
     # -- internals ------------------------------------------------------------------------------------
 
@@ -124,3 +124,10 @@ class ServerPool:
         while sum(s.num_workers for s in self._idle.values()) > self.max_idle_workers:
             _, oldest = self._idle.popitem(last=False)
             oldest.stop()
+
+
+def _stop_all(servers: list[VllmServer]) -> None:
+    """Stop the servers side by side (each waits up to its grace period for its process tree to end)."""
+    if servers:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda server: server.stop(), servers))
