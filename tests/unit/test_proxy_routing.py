@@ -275,3 +275,13 @@ def test_a_long_prompt_is_disaggregated_and_its_next_turn_goes_straight_to_the_s
     assert prompt_key(last) == prompt_key(turn2) and "kv_transfer_params" not in last
     assert 'kvbridge_proxy_routed_total{backend="' in scraped and 'why="prefix"' in scraped
     assert 'kvbridge_proxy_decisions_total{path="disaggregated",reason="at_or_above_threshold"} 2.0' in scraped
+
+
+def test_a_refused_direct_request_passes_the_error_through_and_releases_nothing():
+    prefill, decode = FakeBackend("p"), FakeBackend("d", status=400)
+    with running(prefill, decode) as (p, d), proxy_for([p.url], [d.url], **SELECTIVE) as (url, proxy):
+        reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        scraped = httpx.get(url + "/metrics").text
+    assert reply.status_code == 400 and "d says no" in reply.text
+    assert prefill.requests == [] and "kvbridge_proxy_prefill_releases_total{" not in scraped
+    assert [b.outstanding for b in proxy.balancer.backends()] == [0, 0]
