@@ -162,9 +162,9 @@ def samples(**values: float) -> list:
 def test_the_threshold_is_learned_from_metrics_and_the_hop():
     learner = CostLearner()
     assert learner.costs.threshold(0) is None
-    learner.prefill_read("p", samples(computed=1000, prefill_s=1.0))
-    learner.prefill_read("p", samples(computed=11000, prefill_s=2.0))  # 10,000 tokens in 1 s
-    learner.decode_read("d", samples(loaded=0, transfer_s=0, loads=0, transfers=0))
+    learner.prefill_read("p", samples(computed=10, prefill_s=1.0))  # since start: too few tokens to tell
+    assert learner.costs.prefill_tokens_per_s is None
+    learner.prefill_read("p", samples(computed=10010, prefill_s=2.0))  # 10,000 tokens in 1 s
     learner.decode_read("d", samples(loaded=4000, transfer_s=0.08, loads=4, transfers=4))  # 20 ms a 1000-token load
     learner.prefill_leg(0.15, 1000)  # 0.1 s of compute: a 50 ms hop
     costs = learner.costs
@@ -197,8 +197,8 @@ def test_costs_are_read_from_prometheus_text():
         )
 
     learner = CostLearner()
-    learner.prefill_read("p", parse_samples(text(100, 0.5)))
-    learner.prefill_read("p", parse_samples(text(2100, 0.75)))
+    learner.prefill_read("p", parse_samples(text(10, 0.5)))
+    learner.prefill_read("p", parse_samples(text(2010, 0.75)))
     assert learner.costs.prefill_tokens_per_s == pytest.approx(8000)
 
 
