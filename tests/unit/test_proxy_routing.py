@@ -162,9 +162,9 @@ def samples(**values: float) -> list:
 def test_the_threshold_is_learned_from_metrics_and_the_hop():
     learner = CostLearner()
     assert learner.costs.threshold(0) is None
-    learner.prefill_read("p", samples(computed=1000, prefill_s=1.0))
-    learner.prefill_read("p", samples(computed=11000, prefill_s=2.0))  # 10,000 tokens in 1 s
-    learner.decode_read("d", samples(loaded=0, transfer_s=0, loads=0, transfers=0))
+    learner.prefill_read("p", samples(computed=10, prefill_s=1.0))  # since start: too few tokens to tell
+    assert learner.costs.prefill_tokens_per_s is None
+    learner.prefill_read("p", samples(computed=10010, prefill_s=2.0))  # 10,000 tokens in 1 s
     learner.decode_read("d", samples(loaded=4000, transfer_s=0.08, loads=4, transfers=4))  # 20 ms a 1000-token load
     learner.prefill_leg(0.15, 1000)  # 0.1 s of compute: a 50 ms hop
     costs = learner.costs
@@ -197,8 +197,8 @@ def test_costs_are_read_from_prometheus_text():
         )
 
     learner = CostLearner()
-    learner.prefill_read("p", parse_samples(text(100, 0.5)))
-    learner.prefill_read("p", parse_samples(text(2100, 0.75)))
+    learner.prefill_read("p", parse_samples(text(10, 0.5)))
+    learner.prefill_read("p", parse_samples(text(2010, 0.75)))
     assert learner.costs.prefill_tokens_per_s == pytest.approx(8000)
 
 
@@ -275,3 +275,13 @@ def test_a_long_prompt_is_disaggregated_and_its_next_turn_goes_straight_to_the_s
     assert prompt_key(last) == prompt_key(turn2) and "kv_transfer_params" not in last
     assert 'kvbridge_proxy_routed_total{backend="' in scraped and 'why="prefix"' in scraped
     assert 'kvbridge_proxy_decisions_total{path="disaggregated",reason="at_or_above_threshold"} 2.0' in scraped
+
+
+def test_a_refused_direct_request_passes_the_error_through_and_releases_nothing():
+    prefill, decode = FakeBackend("p"), FakeBackend("d", status=400)
+    with running(prefill, decode) as (p, d), proxy_for([p.url], [d.url], **SELECTIVE) as (url, proxy):
+        reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        scraped = httpx.get(url + "/metrics").text
+    assert reply.status_code == 400 and "d says no" in reply.text
+    assert prefill.requests == [] and "kvbridge_proxy_prefill_releases_total{" not in scraped
+    assert [b.outstanding for b in proxy.balancer.backends()] == [0, 0]

@@ -21,6 +21,7 @@ Where the numbers come from:
 - transfer_s_per_token: the decode instances' `vllm:kvbridge_transfer_seconds` (mean per load) over the tokens one
   load brought (`...{source="external_kv_transfer"}` over `vllm:kvbridge_transfers_total`);
 - hop_s: the proxy's own prefill legs, their duration less the compute their new tokens took at that rate.
+The first read of a server counts everything since it started; then the difference between two reads.
 Each is a moving average (`ALPHA`); until all three are known the threshold is the configured initial one.
 """
 
@@ -85,18 +86,16 @@ def series(samples: Sequence[Sample], name: str, **labels: str) -> float:
 
 class CostLearner:
     """Folds metric reads and prefill leg durations into `costs`. A backend's previous read is kept per name, so
-    that each measurement is the difference between two reads of one server (restarts: a counter that went back is
-    a fresh start, not a measurement)."""
+    that each measurement is the difference between two reads of one server, the first read counting everything
+    since the server started (restarts: a counter that went back is a fresh start, not a measurement)."""
 
     def __init__(self) -> None:
         self.costs = Costs()
         self._last: dict[str, dict[str, float]] = {}
 
     def _delta(self, backend: str, keys: Mapping[str, float]) -> dict[str, float] | None:
-        last = self._last.get(backend)
+        last = self._last.get(backend, {})  # the first read: everything since the server started
         self._last[backend] = dict(keys)
-        if last is None:
-            return None
         out = {k: keys[k] - last.get(k, 0.0) for k in keys}
         return None if any(v < 0 for v in out.values()) else out
 
