@@ -42,10 +42,10 @@ def rss_mb() -> float:
     return 0.0
 
 
-def make_worker(key: bytes | None, host: str = "127.0.0.1") -> PrefillWorker:
+def make_worker(key: bytes | None, host: str = "127.0.0.1", **extra) -> PrefillWorker:
     kv = torch.zeros(1 << 16, dtype=torch.uint8)
     memory = synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, 16, kv.data_ptr())
-    config = BridgeConfig(side_channel_port=free_base_port(1), side_channel_host=host)
+    config = BridgeConfig(side_channel_port=free_base_port(1), side_channel_host=host, **extra)
     worker = PrefillWorker(
         WorkerIdentity("p", ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory, config, key=key
     )
@@ -75,8 +75,11 @@ def test_without_a_key_only_loopback_may_listen():
         config.check_exposure(has_key=False)
     assert config.check_exposure(has_key=True)
     assert BridgeConfig().check_exposure(has_key=False) is False  # loopback without a key: allowed, warned
-    with pytest.raises(ConfigError, match="side_channel_host"):  # a wildcard also needs ucx_net_devices named
-        make_worker(KEY, host="0.0.0.0")
+    # UCX over tcp beyond loopback (opted into): a wildcard also needs ucx_net_devices named
+    with pytest.raises(ConfigError, match="side_channel_host"):
+        make_worker(KEY, host="0.0.0.0", ucx_tcp_exposes_process_memory=True)
+    # by default UCX stays on loopback whatever side_channel_host is (the KV leaves the host over kvbridge's channel)
+    assert make_worker(KEY, host="0.0.0.0").transport.config.ucx_net_devices == "lo"
 
 
 def _flood(port: int) -> None:

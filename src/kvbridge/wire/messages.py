@@ -337,6 +337,9 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     staging_slot_bytes: NonNegative = 0
     """The largest chunk it stages at once (a slot of `staging`); 0: no staged path."""
 
+    kv_stream_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """The port of its KV channel (`runtime.stream_server`, on the side channel's host); 0: it offers none."""
+
     def __post_init__(self) -> None:
         _check_worker(self)
         _page_format(self.memory.layers)
@@ -359,6 +362,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         epoch: str = "",
         staging: mem.Region | None = None,
         staging_slot_bytes: int = 0,
+        kv_stream_port: int = 0,
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -374,6 +378,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             epoch=epoch,
             staging=None if staging is None else Region.from_core(staging),
             staging_slot_bytes=staging_slot_bytes,
+            kv_stream_port=kv_stream_port,
         )
 
     def page_format(self) -> tuple[int, int]:
