@@ -148,12 +148,16 @@ class KvStreamServer:
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:  # first: no frame leaves once close() is called
+            _shut(conn.sock)
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._sock is not None:
             self._sock.close()
         with self._lock:
-            conns = list(self._conns)
+            conns = list(self._conns)  # any accepted meanwhile
         for conn in conns:
             _shut(conn.sock)
         for conn in conns:
