@@ -142,8 +142,8 @@ def test_the_same_host_still_reads_over_nixl():
 def _stream_read(port: int, key: bytes, request: sm.StreamRead) -> tuple[list, Exception | None]:
     """What a client with `key` gets for `request`: the frames (kind, index, bytes), and the error that ended it."""
     frames: list = []
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     try:
-        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         conn = ks.client_handshake(sock, ks.stream_key(key))
         conn.send(ks.KIND_MESSAGE, 0, sm.encode(request))
         while True:
@@ -153,6 +153,8 @@ def _stream_read(port: int, key: bytes, request: sm.StreamRead) -> tuple[list, E
                 return frames, None
     except Exception as exc:
         return frames, exc
+    finally:
+        sock.close()
 
 
 def _request(pair: Pair, request_id: str, token: str, src: list[int], engine_id: str = "decode") -> sm.StreamRead:

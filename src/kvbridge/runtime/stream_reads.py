@@ -134,6 +134,9 @@ class StreamReads:
 
     def launch(self, load: Load) -> None:
         """Read the claimed load over the channel; reports it through `loaded` or `failed`, never raises."""
+        if not self.config.verify_requests:  # no claim was made: the prefill would refuse every read
+            self.failed(load, "the kv stream sends only claimed requests: verify_requests is false")
+            return
         try:
             parts = self._parts(load, load.engine)
         except KVBridgeError as exc:

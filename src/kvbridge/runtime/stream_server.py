@@ -11,8 +11,9 @@ handshake reply tells readers). Each connection runs on a thread of its own:
 
 The claim is checked again before every chunk, so a request aborted or freed meanwhile stops its stream. Bounds:
 `max_connections` open at once (when full, the oldest connection that has not proved the key is cut, else the new
-one), the handshake within `handshake_timeout_s`, an idle authenticated connection closed after `idle_s`, a
-request frame of at most `MAX_REQUEST_BYTES`, and a part no larger than the worker's KV.
+one), the handshake within `handshake_timeout_s`, an idle authenticated connection closed after `idle_s`, a send
+that makes no progress for `stall_s` ends the connection, a request frame of at most `MAX_REQUEST_BYTES`, and a
+part no larger than the worker's KV.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class KvStreamServer:
         max_connections: int = 256,
         handshake_timeout_s: float = 5.0,
         idle_s: float = 600.0,
+        stall_s: float = 30.0,
         name: str = "kv-stream",
     ) -> None:
         """`key`: the channel's key (`transport.kv_stream.stream_key` of the deployment key). `authorize(request)`:
@@ -124,6 +126,7 @@ class KvStreamServer:
         self.max_connections = max_connections
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_s = idle_s
+        self.stall_s = stall_s
         self.name = name
         self._views = host_copy.HostViews(memory.regions)
         self._sock: socket.socket | None = None
@@ -218,7 +221,9 @@ class KvStreamServer:
                 request = sm.decode(payload)
                 if not isinstance(request, sm.StreamRead):
                     raise ProtocolError(f"kv stream: unexpected {type(request).__name__}")
+                sock.settimeout(self.stall_s)  # a reader that stops reading (gone, cut off) frees the thread
                 self._send_part(stream, request)
+                sock.settimeout(self.idle_s)
         except (KVBridgeError, OSError) as exc:
             if conn.authenticated and not self._stop.is_set():
                 logger.debug("kvbridge %s: connection closed: %s", self.name, exc)
