@@ -40,8 +40,8 @@ def rss_mb() -> float:
     return 0.0
 
 
-def make_worker(key: bytes | None, host: str = "127.0.0.1") -> PrefillWorker:
-    return prefill_worker(GEOMETRY, key, side_channel_host=host, start=False)
+def make_worker(key: bytes | None, host: str = "127.0.0.1", **extra) -> PrefillWorker:
+    return prefill_worker(GEOMETRY, key, side_channel_host=host, start=False, **extra)
 
 
 @pytest.fixture
@@ -66,8 +66,11 @@ def test_without_a_key_only_loopback_may_listen():
         config.check_exposure(has_key=False)
     assert config.check_exposure(has_key=True)
     assert BridgeConfig().check_exposure(has_key=False) is False  # loopback without a key: allowed, warned
-    with pytest.raises(ConfigError, match="side_channel_host"):  # a wildcard also needs ucx_net_devices named
-        make_worker(KEY, host="0.0.0.0")
+    # UCX over tcp beyond loopback (opted into): a wildcard also needs ucx_net_devices named
+    with pytest.raises(ConfigError, match="side_channel_host"):
+        make_worker(KEY, host="0.0.0.0", ucx_tcp_exposes_process_memory=True)
+    # by default UCX stays on loopback whatever side_channel_host is (the KV leaves the host over kvbridge's channel)
+    assert make_worker(KEY, host="0.0.0.0").transport.config.ucx_net_devices == "lo"
 
 
 def _flood(port: int) -> None:

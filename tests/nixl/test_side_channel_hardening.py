@@ -100,12 +100,13 @@ def has_external_ipv4() -> bool:
 def test_a_default_prefill_worker_listens_on_loopback_only():
     """With kvbridge's defaults UCX listened on the machine's external address too (192.0.2.2:41145).
     Now every listener of a default worker (side channel and UCX) is on loopback. The negative control: with
-    `ucx_net_devices: all` the same check sees a listener on another address (where the machine has one)."""
+    `ucx_net_devices: all` (and the opt-in it needs, `ucx_tcp_exposes_process_memory`) the same check sees a
+    listener on another address (where the machine has one)."""
     default = listening_addresses({})
     assert default and all(a.startswith("127.") or a == "::1" for a in default), default
     if not has_external_ipv4():
         pytest.skip("no non-loopback interface here for the negative control")
-    wide = listening_addresses({"ucx_net_devices": "all"})
+    wide = listening_addresses({"ucx_net_devices": "all", "ucx_tcp_exposes_process_memory": True})
     assert any(not (a.startswith("127.") or a == "::1") for a in wide), wide
 
 

@@ -69,6 +69,37 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     "mlx5_0:1,eth0". None: the interface that holds side_channel_host ("lo" for the loopback default; a decode
     instance reading from other hosts must name its NIC here). "all" lets UCX use every interface."""
 
+    ucx_tcp_exposes_process_memory: bool = False
+    """Let NIXL's UCX use tcp beyond loopback (`ucx_net_devices` or the environment's UCX_NET_DEVICES naming an
+    Ethernet or IPoIB interface, or "all"), and read KV from prefill engines on other hosts over it. UCX's tcp
+    transport emulates READ and WRITE with active messages and checks neither memory registration nor remote keys:
+    anyone who reaches its port reads and writes any memory of the process (every user's KV, the weights, the
+    deployment key) and crashes it with one READ of an unmapped address, with no key and no handshake. False (the
+    default): UCX's network devices are loopback and RDMA devices only (`lo`, or names with a port such as
+    "mlx5_0:1"), anything else refuses to start naming this field, and KV moves between hosts over kvbridge's own
+    channel (`kv_stream_*`: authenticated with the deployment key, AES-GCM frames) unless RDMA devices are named.
+    Loopback tcp still serves every local user of the host (docs/security.md, "Transport")."""
+
+    kv_stream_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Prefill side: base port of kvbridge's KV channel, on side_channel_host; the worker at (dp, pp, tp) listens on
+    base + (dp*pp_size + pp)*tp_size + tp. 0: each worker's port is chosen by the OS and sent to readers in its
+    (authenticated) handshake. The channel runs only with a deployment key and KV in host memory."""
+
+    kv_stream_encrypt: bool = True
+    """KV channel frames encrypted and authenticated (AES-256-GCM). False: authenticated only (the KV is the
+    associated data of AES-GCM): anyone on the path reads the KV, nobody without the key changes, injects or
+    replays a byte. Both sides must agree; a reader of the other setting is refused naming both."""
+
+    kv_stream_connections: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    """Decode side: connections one prefill worker's part of a request is spread over (chunk i on connection
+    i mod n), so that gathering, sealing, sending, opening and scattering overlap."""
+
+    kv_stream_chunk_bytes: Annotated[int, msgspec.Meta(ge=1 << 16, le=1 << 26)] = 4 << 20
+    """Decode side: bytes of KV per data frame (a run longer than this takes a frame of its own size)."""
+
+    kv_stream_threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    """Decode side: threads reading KV channel connections (one per connection in use); loads beyond them wait."""
+
     gpu_peer_copy: Literal["auto", "nixl"] = "auto"
     """How a decode worker reads KV in GPU memory from a prefill worker on the same host. "auto": through CUDA IPC
     with kvbridge's gather kernel (one launch per prefill worker, near the NVLink copy rate however scattered the
@@ -253,12 +284,57 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 "process handshake, read and write the KV"
             )
 
+    def nixl_crosses_hosts(self, env_devices: str | None = None) -> bool:
+        """Whether NIXL reads KV from other hosts: RDMA devices are named (in `ucx_net_devices`, or the
+        environment's UCX_NET_DEVICES `env_devices`, which wins), or the operator opted into UCX tcp. Otherwise
+        kvbridge's KV channel does."""
+        if self.ucx_tcp_exposes_process_memory:
+            return True
+        devices = env_devices if env_devices is not None else self.ucx_net_devices
+        return any(rdma_device(d) for d in _names(devices))
+
+    def ucx_devices(self, default_interface: str | None, env_devices: str | None = None) -> str | None:
+        """UCX_NET_DEVICES for NIXL ("all": UCX's own choice), or ConfigError naming the field that would put UCX's
+        tcp beyond loopback without `ucx_tcp_exposes_process_memory`. `default_interface`: the interface of
+        side_channel_host (None: none holds it); `env_devices`: the environment's UCX_NET_DEVICES (it wins)."""
+        devices = self.ucx_net_devices
+        if devices is None:
+            devices = default_interface if self.ucx_tcp_exposes_process_memory else "lo"
+            if devices is None:
+                raise ConfigError(
+                    f"kv_connector_extra_config: no network interface holds side_channel_host "
+                    f'{self.side_channel_host!r}: set ucx_net_devices to the NIC(s) NIXL may use ("all": any)'
+                )
+        if self.ucx_tcp_exposes_process_memory:
+            return devices
+        for source, value in (("the environment's UCX_NET_DEVICES", env_devices), ("ucx_net_devices", devices)):
+            if value is None:
+                continue
+            tcp = [d for d in _names(value) if d != "lo" and not rdma_device(d)]
+            if tcp:
+                raise ConfigError(
+                    f"kv_connector_extra_config: {source} {value!r} names {', '.join(tcp)}, where UCX's tcp would "
+                    "serve this process's memory to anyone who reaches it (no key, no registration check); name "
+                    'RDMA devices ("mlx5_0:1") or lo, or set ucx_tcp_exposes_process_memory to true to accept that'
+                )
+            break  # the environment's value wins: the configured one is not used
+        return devices
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> BridgeConfig:
         try:
             return msgspec.convert(dict(extra or {}), cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+
+
+def rdma_device(name: str) -> bool:
+    """Whether a UCX device name is an RDMA device and port ("mlx5_0:1"), not a network interface ("eth0")."""
+    return ":" in name and not name.startswith(":")
+
+
+def _names(devices: str | None) -> list[str]:
+    return [d.strip() for d in (devices or "").split(",") if d.strip()]
 
 
 def is_loopback(host: str) -> bool:

@@ -49,6 +49,7 @@ from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.nixl_reads import NixlReads
 from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key, identity
 from kvbridge.runtime.read_budget import ReadBudget, block_bytes
+from kvbridge.runtime.stream_reads import StreamReads
 from kvbridge.transport.nixl import Backoff, MemType
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
@@ -150,6 +151,12 @@ class DecodeWorker:
         )
         self.budget = ReadBudget(config, block_bytes(memory))  # deadlines that grow with the bytes in flight
         self.ipc: IpcReads | None = None  # when this worker may read through CUDA IPC (from start())
+        # kvbridge's KV channel: engines on other hosts where NIXL does not cross hosts (`peers`, `Engine.stream`)
+        self.stream = (
+            StreamReads(identity, memory, config, key, loaded=self._copied_stream, failed=self._fail)
+            if key and mem_type == "DRAM"
+            else None
+        )
         self._ready: queue.Queue[Load | None] = queue.Queue()  # claimed: to post or launch
         self._notes: queue.Queue[tuple[wire.Message, LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
         self._claiming: dict = {}  # engine key -> claim steps on control threads (under _lock)
@@ -158,6 +165,8 @@ class DecodeWorker:
 
     def start(self) -> DecodeWorker:
         self.nixl.start()
+        if self.stream is not None:
+            self.stream.start()
         if self.mem_type == "VRAM" and self.config.gpu_peer_copy == "auto" and self._regions:
             try:
                 ipc = IpcReads(self.identity, self.memory, self._regions, loaded=self._copied, failed=self._fail)
@@ -231,6 +240,8 @@ class DecodeWorker:
         if (notifier := threads.get("kvbridge-notify")) is not None:
             notifier.join(timeout=30)
         self._clients.close()
+        if self.stream is not None:  # after the transfer thread: it launches no more
+            self.stream.close()
         self.nixl.close()
 
     # -- the peer book's hooks into the read paths ---------------------------------------------------
@@ -381,7 +392,12 @@ class DecodeWorker:
         if time.monotonic() > load.deadline:
             self._fail(load, f"not started after {load.deadline - load.queued:.3g} s (its deadline)")
             return
-        if engine.kernels is not None and load.job.span is None:  # the gather kernels copy block pairs
+        if engine.stream:  # another host, NIXL kept off the network: kvbridge's KV channel or nothing
+            if self.stream is None:
+                self._fail(load, "the prefill engine is on another host; the kv stream needs a key and host memory")
+            else:
+                self.stream.launch(load)
+        elif engine.kernels is not None and load.job.span is None:  # the gather kernels copy block pairs
             self.ipc.launch(load)
         else:
             self.nixl.post(load, self._notify_message(load.job))
@@ -421,6 +437,9 @@ class DecodeWorker:
         self._complete(load, gpu_s)
         job = load.job
         self._tell(self._notify_message(job), job, tuple(load.engine.layout.workers()))
+
+    def _copied_stream(self, load: Load) -> None:
+        self._copied(load, None)
 
     def _fail(self, load: Load, error: str) -> None:
         logger.warning(

@@ -14,6 +14,7 @@ thread what to remove.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -63,6 +64,7 @@ class Peer:
     ipc: tuple[IpcHandle, ...] = ()
     staging: Region | None = None  # its staging buffer (the staged NIXL path), if it offers one
     staging_slot_bytes: int = 0
+    stream_port: int = 0  # its KV channel (`stream_server`), if it offers one
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Engine:
     peers: dict[WorkerRank, Peer]
     plan: TransferPlan
     kernels: dict[WorkerRank, Any] | None = None  # CUDA IPC: a gather kernel per prefill worker read
+    stream: bool = False  # read over kvbridge's KV channel (another host, and NIXL does not cross hosts)
     inflight: int = 0
     stale: bool = False
     used: float = field(default_factory=time.monotonic)
@@ -105,6 +108,7 @@ class PeerBook:
         self.add_agent = add_agent
         self.sealer = sealer
         self.ipc_connect = ipc_connect
+        self.nixl_crosses_hosts = config.nixl_crosses_hosts(os.environ.get("UCX_NET_DEVICES"))
         self.max_engines = config.max_cached_engines
         self.dead_s = config.dead_engine_s
         self._lock = threading.Lock()
@@ -184,9 +188,19 @@ class PeerBook:
                 raise IncompatiblePeerError("engine_id", source.remote_engine_id, reply.engine_id)
             if reply.layout.to_core() != layout:
                 raise IncompatiblePeerError("layout", str(layout), str(reply.layout.to_core()))
-            agent = self.add_agent(reply.agent_metadata, reply.agent_name)
-            if agent != reply.agent_name:
-                raise IncompatiblePeerError("agent_name", reply.agent_name, agent)
+            same_host = reply.host_id == host_id()
+            if same_host or self.nixl_crosses_hosts:
+                agent = self.add_agent(reply.agent_metadata, reply.agent_name)
+                if agent != reply.agent_name:
+                    raise IncompatiblePeerError("agent_name", reply.agent_name, agent)
+            elif not reply.kv_stream_port:  # never NIXL across hosts unless the operator said so
+                raise TransferError(
+                    f"prefill worker {rank} of {source.remote_engine_id} is on another host and offers no kv stream "
+                    "(it needs a deployment key and KV in host memory), and NIXL does not cross hosts here: name "
+                    "RDMA devices in ucx_net_devices, or set ucx_tcp_exposes_process_memory"
+                )
+            else:  # the KV channel: the prefill's NIXL agent is never loaded here
+                agent = reply.agent_name
             ipc = tuple(h.to_core() for h in reply.ipc)
             staging = reply.staging.to_core() if reply.staging is not None else None
             peers[rank] = Peer(
@@ -197,9 +211,11 @@ class PeerBook:
                 ipc,
                 staging,
                 reply.staging_slot_bytes if staging is not None else 0,
+                reply.kv_stream_port,
             )
         engine = Engine(key, layout, peers, self.plan(layout))
-        path = "NIXL"
+        engine.stream = not engine.same_host and not self.nixl_crosses_hosts
+        path = "kvbridge KV channel" if engine.stream else "NIXL"
         if self.ipc_connect is not None and all(p.same_host and p.ipc for p in peers.values()):
             engine.kernels = self.ipc_connect(engine)
             if engine.kernels is not None:

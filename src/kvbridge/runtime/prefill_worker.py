@@ -14,25 +14,29 @@ must carry the request's token. With a deployment key the side channel answers o
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvbridge.core.config import BridgeConfig
+from kvbridge.core.config import BridgeConfig, is_loopback
 from kvbridge.core.errors import ConfigError, ProtocolError, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import LeaseBook
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.runtime.host import has_nvidia_gpu, host_id, interface_of
 from kvbridge.runtime.staging import Stager
+from kvbridge.runtime.stream_server import KvStreamServer
+from kvbridge.transport.kv_stream import stream_key
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportConfig
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.keys import KeyRing, token_is_ours
 from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
+from kvbridge.wire.stream_messages import StreamRead
 
 if TYPE_CHECKING:
     from kvbridge.core.memory import IpcHandle
@@ -86,6 +90,8 @@ class PrefillWorker:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: SideChannelServer | None = None
+        self.stream: KvStreamServer | None = None  # kvbridge's KV channel (from start(), with a key, host memory)
+        check_stream_memory(config, mem_type, key is not None)
         self.stager: Stager | None = None  # the staged NIXL path, when staging is configured
         tensors = staging_copies(mem_type, regions, memory)
         if config.nixl_staging_bytes and tensors is not None:
@@ -103,6 +109,22 @@ class PrefillWorker:
             self.stager.start()
             self.transport.register(self.stager.memory_region, self.stager.mem_type)
         ident = self.identity
+        if self.key and self.mem_type == "DRAM":
+            self.stream = KvStreamServer(
+                self.memory,
+                stream_key(self.key),
+                self._stream_grant,
+                host=self.config.side_channel_host,
+                port=(
+                    side_channel_port(self.config.kv_stream_port, ident.layout, ident.dp_rank, ident.rank)
+                    if self.config.kv_stream_port
+                    else 0
+                ),
+                mode="encrypt" if self.config.kv_stream_encrypt else "integrity",
+                max_connections=self.config.side_channel_max_connections,
+                handshake_timeout_s=self.config.handshake_timeout_s,
+                name=f"kv-stream-{ident.rank}",
+            ).start()
         reply = wire.HandshakeReply.build(
             ident.engine_id,
             ident.layout,
@@ -119,6 +141,7 @@ class PrefillWorker:
             staging=self.stager.region if self.stager else None,
             staging_slot_bytes=self.stager.slot_bytes if self.stager else 0,
             model=ident.model,
+            kv_stream_port=self.stream.port if self.stream else 0,
         )
         sealer = (
             Sealer(self.key, window_s=self.config.auth_window_s, max_nonces=self.config.auth_max_nonces)
@@ -197,6 +220,12 @@ class PrefillWorker:
             case _:
                 return wire.ErrorReply(message=f"unexpected {type(message).__name__}")
 
+    def _stream_grant(self, request: StreamRead) -> float | None:
+        """The KV channel asks (its connection's thread): until when this reader may read these blocks."""
+        blocks = tuple(g.block_ids for g in request.groups)
+        with self._lock:
+            return self._leases.reading(request.request_id, request.token, request.engine_id, blocks, self.clock())
+
     def _take_note(self, msg: wire.Notify, now: float) -> bool:
         taken = self._leases.notified(msg.request_id, msg.token, msg.engine_id, str(msg.worker), msg.expected, now)
         if taken and self.stager is not None:  # its reader is done: its staging slots are free
@@ -238,6 +267,8 @@ class PrefillWorker:
             self._thread.join(timeout=5)
         if self._server is not None:
             self._server.close()
+        if self.stream is not None:
+            self.stream.close()
         self.transport.close()
         if self.stager is not None:
             self.stager.close()
@@ -328,6 +359,22 @@ def token_check(key: bytes | KeyRing | None, engine_id: str):
     return lambda request_id, token: token_is_ours(ring, engine_id, request_id, token)
 
 
+def check_stream_memory(config: BridgeConfig, mem_type: MemType, has_key: bool) -> None:
+    """ConfigError for a prefill worker that other hosts would read with nothing to read it over: KV in GPU memory
+    (kvbridge's KV channel carries host memory only) behind a side channel beyond loopback, where NIXL does not
+    cross hosts (no RDMA devices named, no `ucx_tcp_exposes_process_memory`)."""
+    if mem_type == "DRAM" or is_loopback(config.side_channel_host) or not has_key:
+        return
+    if config.nixl_crosses_hosts(os.environ.get("UCX_NET_DEVICES")):
+        return
+    raise ConfigError(
+        f"kv_connector_extra_config: side_channel_host {config.side_channel_host!r} serves other hosts, the KV is in "
+        "GPU memory, and kvbridge's KV channel carries host memory only: name RDMA devices in ucx_net_devices "
+        '("mlx5_0:1"), or set ucx_tcp_exposes_process_memory to true (UCX tcp then serves this process\'s memory '
+        "to anyone who reaches it)"
+    )
+
+
 def staging_copies(mem_type: MemType, regions: Sequence, memory: WorkerMemory) -> tuple | None:
     """How a worker's staged NIXL path copies: () for host copies (KV in host memory), the region tensors for
     torch copies on their GPU (KV in GPU memory, tensors given), None for no staged path (GPU memory without
@@ -338,20 +385,13 @@ def staging_copies(mem_type: MemType, regions: Sequence, memory: WorkerMemory) -
 
 
 def transport_config(config: BridgeConfig, mem_type: MemType) -> TransportConfig:
-    """UCX settings: the transports for the memory type, and the network devices the operator named
-    (`ucx_net_devices`), else the interface of `side_channel_host` ("lo" for loopback): UCX never listens on
-    every interface unless told to (`ucx_net_devices: "all"`)."""
+    """UCX settings: the transports for the memory type, and the network devices (`BridgeConfig.ucx_devices`):
+    loopback and RDMA devices only, unless the operator opted into UCX tcp beyond loopback
+    (`ucx_tcp_exposes_process_memory`; then the devices named, else the interface of `side_channel_host`)."""
     tls = config.ucx_tls
     if tls == "auto":
         # host memory: shared memory, CMA and tcp (what detects a dead peer); cuda_copy too on a GPU host, where
         # NIXL refuses a UCX_TLS without a CUDA transport
         tls = ("self,sm,cma,tcp,cuda_copy" if has_nvidia_gpu() else "self,sm,cma,tcp") if mem_type == "DRAM" else None
-    devices = config.ucx_net_devices
-    if devices is None:
-        devices = interface_of(config.side_channel_host)
-        if devices is None:
-            raise ConfigError(
-                f"kv_connector_extra_config: no network interface holds side_channel_host "
-                f'{config.side_channel_host!r}: set ucx_net_devices to the NIC(s) NIXL may use ("all": any)'
-            )
+    devices = config.ucx_devices(interface_of(config.side_channel_host), os.environ.get("UCX_NET_DEVICES"))
     return TransportConfig(ucx_tls=tls, ucx_net_devices=None if devices == "all" else devices)

@@ -12,11 +12,13 @@ unless it is a wildcard: vLLM then picks this machine's address, which the conne
 `UCX_NET_DEVICES=lo` when `--host` is a loopback address (the default: everything stays on this machine), and on
 vLLM's CPU build `UCX_TLS=self,sm,cma,tcp` (on GPUs the connector's `ucx_tls: auto` lets UCX pick
 cuda_ipc/cuda_copy). To serve other hosts, name this host's address on the network they reach:
-`--host 10.0.0.1 --kv-extra side_channel_host=10.0.0.1 --kv-extra ucx_net_devices=eth1` (a wildcard also needs
-`advertise_host`), with the deployment key below. On vLLM's CPU build the defaults of `kvbridge.serving.launcher`
-apply: `--enforce-eager` for one pipeline stage, the eager-backend compilation config for PP > 1 (vLLM's eager PP
-bug on CPU), unless the vLLM arguments choose; `--cpu-bind` and `--kv-cache-gib` set `VLLM_CPU_OMP_THREADS_BIND`
-and `VLLM_CPU_KVCACHE_SPACE`.
+`--host 10.0.0.1 --kv-extra side_channel_host=10.0.0.1` (a wildcard also needs `advertise_host`), with the
+deployment key below: the KV then leaves the host over kvbridge's authenticated channel, NIXL staying on loopback;
+with RDMA, name the devices (`--kv-extra ucx_net_devices=mlx5_0:1`); UCX over tcp only with
+`--kv-extra ucx_tcp_exposes_process_memory=true` (docs/deployment-transports.md says what that exposes).
+On vLLM's CPU build the defaults of `kvbridge.serving.launcher` apply: `--enforce-eager` for one pipeline stage,
+the eager-backend compilation config for PP > 1 (vLLM's eager PP bug on CPU), unless the vLLM arguments choose;
+`--cpu-bind` and `--kv-cache-gib` set `VLLM_CPU_OMP_THREADS_BIND` and `VLLM_CPU_KVCACHE_SPACE`.
 
 A deployment key is always used unless asked otherwise: `--auth-key-file PATH` (an existing file), by default
 this user's `~/.config/kvbridge/deployment.key` (created with a fresh random key, owner-only, if missing), so

@@ -366,6 +366,8 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
 
     model: Model | None = None
     """The prefill's model fingerprint (`core.model_identity`); None: an engine without one (tests)."""
+    kv_stream_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """The port of its KV channel (`runtime.stream_server`, on the side channel's host); 0: it offers none."""
 
     def __post_init__(self) -> None:
         _check_worker(self)
@@ -390,6 +392,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         staging: mem.Region | None = None,
         staging_slot_bytes: int = 0,
         model: ModelFingerprint | None = None,
+        kv_stream_port: int = 0,
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -406,6 +409,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             staging=None if staging is None else Region.from_core(staging),
             staging_slot_bytes=staging_slot_bytes,
             model=_model(model),
+            kv_stream_port=kv_stream_port,
         )
 
     def page_format(self) -> tuple[int, int]:

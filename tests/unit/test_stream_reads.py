@@ -1,0 +1,161 @@
+"""The decode side of kvbridge's KV channel (`runtime.stream_reads`) against a real `KvStreamServer` on loopback, no
+NIXL: loads arrive exact over several connections and reuse them, a refused read fails its load naming why, and a
+server that stops mid-part fails the load only once none of its connections can still scatter."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.memory import synthesize_memory
+from kvbridge.core.plan import make_plan
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.runtime.load import Load, LoadJob
+from kvbridge.runtime.peers import Engine, Peer
+from kvbridge.runtime.stream_reads import StreamReads
+from kvbridge.runtime.stream_server import KvStreamServer
+from kvbridge.transport.kv_stream import stream_key
+from kvbridge.wire.params import PrefillDone
+
+KEY = b"stream-reads-unit-test-key-0123456789"
+GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=2, head_size=16, dtype="float32", block_size=4)
+BLOCKS = 128
+RANK = WorkerRank(0, 0)
+
+
+class Side:
+    def __init__(self, seed: int | None) -> None:
+        probe = synthesize_memory("LBHNC", GEOMETRY, list(range(4)), 2, BLOCKS, 0)
+        n = probe.regions[0].nbytes
+        self.buf = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8) if seed else np.zeros(n, np.uint8)
+        self.memory = synthesize_memory("LBHNC", GEOMETRY, list(range(4)), 2, BLOCKS, self.buf.ctypes.data)
+
+    def block(self, b: int) -> np.ndarray:
+        per = self.buf.nbytes // (4 * BLOCKS)
+        return np.concatenate(
+            [self.buf[(layer * BLOCKS + b) * per : (layer * BLOCKS + b + 1) * per] for layer in range(4)]
+        )
+
+
+class Reader:
+    def __init__(self, port: int, src: Side, **extra) -> None:
+        self.src, self.dst = src, Side(None)
+        config = BridgeConfig(kv_stream_chunk_bytes=1 << 16, **extra)
+        layout = ParallelLayout()
+        self.done: dict[str, str] = {}
+        self.event = threading.Event()
+        self.reads = StreamReads(
+            WorkerIdentity("decode", layout, 0, RANK, GEOMETRY),
+            self.dst.memory,
+            config,
+            KEY,
+            loaded=lambda load: self._report(load, ""),
+            failed=lambda load, error: self._report(load, error),
+        ).start()
+        peer = Peer("p", self.src.memory, "e", stream_port=port)
+        self.engine = Engine(("p", "127.0.0.1", 1, 0), layout, {RANK: peer}, make_plan(layout, layout, GEOMETRY))
+        self.engine.stream = True
+
+    def _report(self, load, error: str) -> None:
+        self.done[load.job.request_id] = error
+        self.reported_at = time.monotonic()
+        self.event.set()
+
+    def load(self, request_id: str, src: list[int], dst: list[int], timeout_s: float = 10.0) -> str:
+        source = PrefillDone(
+            remote_engine_id="p",
+            remote_request_id=request_id,
+            remote_block_ids=src,
+            remote_host="127.0.0.1",
+            remote_port=1,
+            remote_layout="pp=1,tp=1",
+            remote_token="t",
+        )
+        now = time.monotonic()
+        self.event.clear()
+        self.reads.launch(Load(LoadJob(request_id, source, (tuple(dst),), (tuple(src),)), now, now + 20, self.engine))
+        assert self.event.wait(timeout_s)
+        return self.done[request_id]
+
+
+@pytest.fixture
+def served():
+    src = Side(5)
+    server = KvStreamServer(src.memory, stream_key(KEY), lambda r: 1e18).start()
+    try:
+        yield server, src
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+def test_loads_arrive_exact_and_reuse_their_connections(served, connections):
+    server, src = served
+    reader = Reader(server.port, src, kv_stream_connections=connections)
+    rng = np.random.default_rng(1)
+    try:
+        for i in range(4):
+            src, dst = rng.permutation(BLOCKS)[:40].tolist(), rng.permutation(BLOCKS)[:40].tolist()
+            assert reader.load(f"r{i}", src, dst) == ""
+            for s, d in zip(src, dst, strict=True):
+                assert np.array_equal(reader.dst.block(d), reader.src.block(s))
+        assert server.counts["connections"] == connections, "connections are pooled between loads"
+        assert server.counts["parts"] == 4 * connections
+    finally:
+        reader.reads.close()
+
+
+def test_a_refused_read_fails_its_load_naming_why():
+    src = Side(5)
+    server = KvStreamServer(src.memory, stream_key(KEY), lambda r: None).start()
+    reader = Reader(server.port, src)
+    try:
+        error = reader.load("r", [1, 2, 3], [4, 5, 6])
+        assert "not_claimed" in error
+        assert not reader.dst.buf.any(), "a refused read wrote nothing"
+    finally:
+        reader.reads.close()
+        server.close()
+
+
+def test_a_server_that_stops_mid_part_fails_the_load_after_its_last_scatter():
+    """The server answers the first chunks, then hangs (its claim check blocks) and is closed: the load fails, and
+    nothing is scattered after the report (the reader's connections are shut when the first one fails)."""
+    src = Side(5)
+    gate = threading.Event()
+    calls = []
+
+    def grant(request):
+        calls.append(request)
+        if len(calls) > 3:
+            gate.wait(10)
+        return 1e18
+
+    server = KvStreamServer(src.memory, stream_key(KEY), grant).start()
+    reader = Reader(server.port, src, kv_stream_connections=2)
+    try:
+        result = {}
+        t = threading.Thread(
+            target=lambda: result.setdefault("e", reader.load("r", list(range(100)), list(range(100)), 20))
+        )
+        t.start()
+        deadline = time.monotonic() + 10
+        while len(calls) <= 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        threading.Timer(0.3, gate.set).start()  # the hung claim check returns into a shut connection
+        server.close()  # shuts every connection
+        t.join(20)
+        assert result["e"].startswith("kv stream from prefill worker"), result
+        time.sleep(0.3)
+        after = reader.dst.buf.copy()
+        time.sleep(0.5)
+        assert np.array_equal(reader.dst.buf, after), "a block was written after the load was reported failed"
+    finally:
+        gate.set()
+        reader.reads.close()
+        server.close()
