@@ -172,7 +172,7 @@ def test_respond_turns_garbage_and_handler_failures_into_error_replies() -> None
     assert isinstance(garbage, wire.ErrorReply) and "malformed" in garbage.message
     assert len(calls) == 5
     no_hook = _answer(wire.encode(wire.Ack()), sc.handshake_handler(prefill_reply(0, WorkerRank(0, 0))))
-    assert no_hook == wire.ErrorReply(message="this side channel does not handle Ack")
+    assert no_hook == wire.ErrorReply(message="this side channel does not handle Ack", reason=wire.Refusal.UNEXPECTED)
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import KVBridgeError, RequestParamsError, TransferError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
@@ -63,7 +65,11 @@ __all__ = ["DecodeWorker", "LoadJob", "TransferStats"]  # LoadJob: the connector
 logger = logging.getLogger(__name__)
 
 SLOW_LOAD_S = 2.0
-"""A load that takes longer is logged with where its time went (handshake, claim, queue, read)."""
+"""A load that takes longer is logged with where its time went (handshake, claim, queue, wire)."""
+
+PHASES = ("handshake", "claim", "queue", "wire", "report", "hop", "total")
+"""A load's timeline in `TransferStats.phases` (`Load.durations`): queued -> handshake done -> claim granted ->
+posted -> data landed -> reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported."""
 
 
 @dataclass
@@ -77,6 +83,8 @@ class TransferStats:
     seconds: list[float] = field(default_factory=list)  # per load: from the job to the reported completion
     post_seconds: list[float] = field(default_factory=list)  # per load: from the job to the READs posted/kernels queued
     gpu_seconds: list[float] = field(default_factory=list)  # per CUDA IPC load: the kernels' time on the GPU
+    phases: dict[str, list[float]] = field(default_factory=dict)  # per load that landed: seconds by PHASES name
+    claim_retries: int = 0  # claims refused at once as not held and sent again
 
 
 class DecodeWorker:
@@ -110,6 +118,7 @@ class DecodeWorker:
         self._outstanding = 0  # loads queued to report and not yet reported (under _lock)
         self._done: set[str] = set()
         self._failed: set[str] = set()
+        self._landed: list[Load] = []  # landed since the last results(): their report phase ends there
         self._stats = TransferStats()
         self._pool = ThreadPoolExecutor(
             control_threads, thread_name_prefix=f"kvbridge-control-{identity.rank}", initializer=unpin_this_thread
@@ -211,6 +220,11 @@ class DecodeWorker:
             done, self._done = self._done, set()
             failed, self._failed = self._failed, set()
             stats, self._stats = self._stats, TransferStats()
+            landed, self._landed = self._landed, []
+        now = time.monotonic()
+        for load in landed:
+            for name, seconds in load.durations(now).items():
+                stats.phases.setdefault(name, []).append(seconds)
         return done, failed, stats
 
     def reads_through_ipc(self, source: PrefillDone) -> bool:
@@ -323,12 +337,18 @@ class DecodeWorker:
             read_timeout_s=max(0.0, load.deadline - time.monotonic()),
             blocks_digest=groups_digest(source.group_block_ids),
         )
-        window = min(load.deadline, time.monotonic() + self.config.claim_window_s)
+        load.claim_sent = time.monotonic()
+        window = min(load.deadline, load.claim_sent + self.config.claim_window_s)
         pending = list(load.read_ranks)
         backoff = Backoff(first_s=5e-3, cap_s=50e-3)
         while pending:
+            # A prefill worker that does not hold the request yet keeps the claim until the hold comes (within
+            # `wait_s`, under the client's timeout) and answers then: no retry in the common case.
+            wait_s = max(0.0, min(window - time.monotonic(), 0.8 * self.config.handshake_timeout_s))
             answers = self._clients.get().exchange_all(
-                [address(source, r) for r in pending], claim, [identity(source, r) for r in pending]
+                [address(source, r) for r in pending],
+                msgspec.structs.replace(claim, wait_s=round(wait_s, 3)),
+                [identity(source, r) for r in pending],
             )
             refused = []
             for rank, answer in zip(pending, answers, strict=True):
@@ -339,14 +359,15 @@ class DecodeWorker:
                         return rank
                     continue
                 text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
-                if not text.endswith("not_held"):  # mismatch, another reader: final
-                    raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
+                if not isinstance(answer, wire.ErrorReply) or answer.reason is not wire.Refusal.NOT_HELD:
+                    raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")  # final
                 refused.append((rank, text))
-            if refused and time.monotonic() > window:
+            if refused and time.monotonic() >= window:
                 rank, text = refused[0]
                 raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
             pending = [r for r, _ in refused]
-            if pending:
+            if pending:  # refused at once (its waiting claims are full, or a peer that does not wait)
+                load.claim_retries += 1
                 backoff.sleep()
         return None
 
@@ -395,7 +416,7 @@ class DecodeWorker:
     # -- reporting --------------------------------------------------------------------------------
 
     def _complete(self, load: Load, gpu_s: float | None = None) -> None:
-        now = time.monotonic()
+        now = load.landed = time.monotonic()
         elapsed = now - load.queued
         if elapsed > SLOW_LOAD_S:
             logger.warning(
@@ -413,6 +434,9 @@ class DecodeWorker:
             self._stats.post_seconds.append(load.posted - load.queued)
             if gpu_s is not None:
                 self._stats.gpu_seconds.append(gpu_s)
+            self._stats.claim_retries += load.claim_retries
+            if load.job.report:
+                self._landed.append(load)
         self._report(load, True)
 
     def _copied(self, load: Load, gpu_s: float | None) -> None:

@@ -81,20 +81,46 @@ class Load:
     read_ranks: tuple[WorkerRank, ...] = ()
     nbytes: int = 0
     descriptors: int = 0
-    connected: float = 0.0  # its engine's handshake done (monotonic)
-    claimed: float = 0.0  # its claim acknowledged by every worker read
+    # Its timeline (monotonic seconds; 0: not reached): queued (the worker learns of it) -> connected (its
+    # engine's handshake done) -> claim_sent -> claimed (granted by every worker read, after claim_retries
+    # refusals as not held) -> posted (READs posted or kernels queued) -> landed (its data is in its blocks) ->
+    # reported (handed to vLLM).
+    connected: float = 0.0
+    claim_sent: float = 0.0
+    claimed: float = 0.0
+    claim_retries: int = 0
     posted: float = 0.0
+    landed: float = 0.0
 
     def phases(self, now: float) -> str:
-        """Where its time went, for the log of a slow or failed load: "handshake 0.01 s, claim 0.00 s, read 1.2 s"."""
-        marks = [("handshake", self.connected), ("claim", self.claimed), ("queue", self.posted), ("read", now)]
+        """Where its time went, for the log of a slow or failed load: "handshake 0.01 s, claim 0.00 s (0 retries),
+        queue 0.00 s, wire 1.2 s"."""
         out, last = [], self.queued
-        for name, t in marks:
+        for name, t in self.marks():
             if not t:
-                return ", ".join([*out, f"{name} {now - last:.2f} s (not done)"])
-            out.append(f"{name} {t - last:.2f} s")
+                return ", ".join([*out, f"{name} {1000 * (now - last):.2f} ms (not done)"])
+            out.append(
+                f"{name} {1000 * (t - last):.2f} ms" + (f" ({self.claim_retries} retries)" if name == "claim" else "")
+            )
             last = t
         return ", ".join(out)
+
+    def marks(self) -> list[tuple[str, float]]:
+        """The end of each phase, in order (a load without a claim has none: its claim phase is empty)."""
+        claimed = self.claimed or (self.connected if not self.claim_sent else 0.0)
+        return [("handshake", self.connected), ("claim", claimed), ("queue", self.posted), ("wire", self.landed)]
+
+    def durations(self, reported: float) -> dict[str, float]:
+        """Seconds of each phase of a load that landed, and `hop` (claim sent -> landed: the KV hop) and `total`
+        (queued -> reported)."""
+        out, last = {}, self.queued
+        for name, t in self.marks():
+            out[name] = max(0.0, t - last)
+            last = t
+        out["report"] = max(0.0, reported - self.landed)
+        out["hop"] = max(0.0, self.landed - (self.claim_sent or self.connected))
+        out["total"] = max(0.0, reported - self.queued)
+        return out
 
     # CUDA IPC path: the kernels' events (the GPU time is start_event.elapsed_time(event))
     event: Any = None
