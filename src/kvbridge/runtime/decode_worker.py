@@ -67,9 +67,10 @@ logger = logging.getLogger(__name__)
 SLOW_LOAD_S = 2.0
 """A load that takes longer is logged with where its time went (handshake, claim, queue, wire)."""
 
-PHASES = ("handshake", "claim", "queue", "wire", "report", "hop", "total")
+PHASES = ("handshake", "claim", "queue", "post", "wire", "report", "hop", "total")
 """A load's timeline in `TransferStats.phases` (`Load.durations`): queued -> handshake done -> claim granted ->
-posted -> data landed -> reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported."""
+taken by its path (queue) -> READs posted or kernels queued (post: the host's work) -> data landed (wire) ->
+reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported."""
 
 
 @dataclass
@@ -259,7 +260,11 @@ class DecodeWorker:
     def _admit(self, load: Load, connected: Future[Engine]) -> None:
         """Run the load's claim on a control thread, at most `claims_per_engine` (config) at once per engine: a slow
         engine's claims wait in its own backlog, never in front of other engines' (they hold control threads while
-        they wait)."""
+        they wait). A load that makes no claim (verify_requests off, or nothing to read) takes its step here, on
+        the thread that connected it: handing it to a control thread would only add a thread switch."""
+        if not (self.config.verify_requests and load.job.num_blocks):
+            self._claim_step(load, connected)
+            return
         key = engine_key(load.job.source)
         with self._lock:
             running = self._claiming.get(key, 0)
@@ -315,7 +320,15 @@ class DecodeWorker:
                 logger.exception("kvbridge decode %s: claim step failed", self.identity)
             self._fail(load, str(exc) or type(exc).__name__)
             return
-        self._ready.put(load)
+        if load.claim_sent and self._launches_here(load):
+            self._post(load)  # the kernels go out from the thread that claimed: no hand-off to the transfer thread
+        else:
+            self._ready.put(load)
+
+    def _launches_here(self, load: Load) -> bool:
+        """Whether a claimed load's kernels may be launched by the thread that claimed it (the CUDA IPC path takes
+        launches from any thread, one at a time, in stream order); READs are posted by the transfer thread."""
+        return self.ipc is not None and load.engine.kernels is not None and load.job.span is None
 
     def _ranks_read(self, load: Load, engine: Engine) -> tuple[WorkerRank, ...]:
         """The prefill workers this worker reads from for this job (all of the plan's, if it has blocks)."""
@@ -398,7 +411,8 @@ class DecodeWorker:
         """Hand a claimed load (counted on its engine since its claim) to its path: kernels if the engine has them,
         else READs."""
         engine = load.engine
-        if time.monotonic() > load.deadline:
+        load.started = time.monotonic()
+        if load.started > load.deadline:
             self._fail(load, f"not started after {load.deadline - load.queued:.3g} s (its deadline)")
             return
         if engine.kernels is not None and load.job.span is None:  # the gather kernels copy block pairs

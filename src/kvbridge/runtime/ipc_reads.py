@@ -4,7 +4,8 @@ Per engine: the prefill workers' regions opened through CUDA IPC and one gather 
 (`kvbridge.transport.ipc_reader`), made by its handshake (`connect`; None: that engine is read through NIXL) and
 dropped when the engine is reaped (`forget`): the engine's `inflight` counts every load launched on it until that
 load is reported, so the mappings stay open while any kernel queued on them runs. Per load: one launch from the
-transfer thread, on one stream, so kernels finish in launch order; the waiter thread sleeps on each load's
+thread that has it ready (the transfer thread, or the control thread that claimed it), one at a time under
+`_launching`, on one stream, so kernels finish in launch order; the waiter thread sleeps on each load's
 blocking-sync event in that order and reports it. A launch that fails waits for the stream first: whatever it
 queued must finish before the engine can reuse the blocks.
 """
@@ -57,6 +58,7 @@ class IpcReads:
         self.failed = failed
         self.reader: IpcReader | None = None
         self._launched: queue.Queue[Load | None] = queue.Queue()  # kernels queued, in launch order (one stream)
+        self._launching = threading.Lock()  # one launch at a time: stream order = the waiter's order
         self._waiter: threading.Thread | None = None
 
     def start(self) -> IpcReads:
@@ -94,7 +96,12 @@ class IpcReads:
     # -- per load ---------------------------------------------------------------------------------
 
     def launch(self, load: Load) -> None:
-        """Queue the load's kernels (transfer thread); a failed launch reports the load once the stream is idle."""
+        """Queue the load's kernels (any thread, one at a time); a failed launch reports the load once the stream is
+        idle."""
+        with self._launching:
+            self._launch(load)
+
+    def _launch(self, load: Load) -> None:
         engine, job = load.engine, load.job
         try:
             remote, local = job.one_group()  # the gather kernels serve one-group engines only

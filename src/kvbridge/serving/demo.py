@@ -6,8 +6,8 @@ on CPU prepares its kernels on the first requests, which would make the first TT
 plain request to each server and one short disaggregated request, not timed); sends a handful of prompts
 through the PD protocol (prefill leg with max_tokens=1 and do_remote_decode, decode leg with the returned
 kv_transfer_params), and prints one row per request: prompt tokens, TTFT, KV bytes moved, and from the decode
-server's kvbridge metrics the load's claim wait, its KV hop (claim sent -> data landed) and its wire time (READs
-posted -> data landed), and whether the output equals a non-disaggregated run. It ends with one summary line:
+server's kvbridge metrics the load's claim wait, its KV hop (claim sent -> data landed) and its wire time (posting
+the READs -> data landed), and whether the output equals a non-disaggregated run. It ends with one summary line:
 requests, how many equal the aggregated run, median TTFT, KV moved in all, the median claim wait and KV hop, and
 the wire rate (bytes over wire time only).
 Every process it started is stopped on success, failure and Ctrl-C.
@@ -116,9 +116,10 @@ def _wait_all(servers: list[VllmServer], timeout: float) -> None:
         raise errors[0]
 
 
-PHASES = ("claim", "hop", "wire")
+PHASES = ("claim", "hop", "post", "wire")
 """The load phases a row shows (vllm:kvbridge_load_phase_seconds): claim sent -> granted, claim sent -> data
-landed, READs posted -> data landed."""
+landed, and the wire time: posting the READs (with CMA on one host the copy runs inside the post) plus posted ->
+data landed."""
 
 
 def _kv_metrics(url: str) -> tuple[float, ...]:
@@ -165,7 +166,7 @@ class Row(NamedTuple):
     moved: float
     claim_s: float
     hop_s: float
-    wire_s: float
+    wire_s: float  # posting the READs -> data landed
     equal: bool
 
     @property
@@ -242,7 +243,8 @@ def _run(args: argparse.Namespace, key_file: Path | None) -> int:
             ttft = prefill_s + first_token_s
             after = _wait_metrics(decode.url, before)
             moved, loads = after[0] - before[0], max(1.0, after[1] - before[1])
-            claim_s, hop_s, wire_s = ((a - b) / loads for a, b in zip(after[2:], before[2:], strict=True))
+            claim_s, hop_s, post_s, wire_s = ((a - b) / loads for a, b in zip(after[2:], before[2:], strict=True))
+            wire_s += post_s
             reference = complete(prefill.url, prompt, args.max_tokens)["choices"][0]["token_ids"]
             row = Row(ttft, moved, claim_s, hop_s, wire_s, tokens == reference)
             rows.append(row)
@@ -256,7 +258,8 @@ def _run(args: argparse.Namespace, key_file: Path | None) -> int:
             "\nTTFT = prefill leg + decode leg to its first token. From the decode server's kvbridge metrics: KV MiB "
             "(vllm:kvbridge_bytes_total, all workers); per worker's load (mean over the workers, which read in "
             "parallel) claim ms (claim sent -> granted), hop ms (claim sent -> data landed) and wire ms (READs "
-            "posted -> data landed) from vllm:kvbridge_load_phase_seconds; GB/s = KV MiB over wire ms."
+            "posted, with CMA the copy itself, -> data landed) from vllm:kvbridge_load_phase_seconds; GB/s = KV MiB "
+            "over wire ms."
         )
         print(summary(rows), flush=True)
         return 0 if all(r.equal for r in rows) else 1

@@ -136,7 +136,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     vllm:kvbridge_transfers_total, vllm:kvbridge_bytes_total, vllm:kvbridge_descriptors_total,
     vllm:kvbridge_failures_total, vllm:kvbridge_expired_leases_total, vllm:kvbridge_claim_retries_total,
     vllm:kvbridge_transfer_seconds (a load's KV hop: claim sent -> data landed),
-    vllm:kvbridge_load_phase_seconds{phase} (decode: handshake, claim, queue, wire, report, hop, total) and
+    vllm:kvbridge_load_phase_seconds{phase} (decode: handshake, claim, queue, post, wire, report, hop, total) and
     vllm:kvbridge_hold_phase_seconds{phase} (prefill: hold, claim, release).
     """
 
@@ -168,8 +168,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self._phases = self._histogram_cls(
             name="vllm:kvbridge_load_phase_seconds",
             documentation="A decode load's timeline, per phase: handshake (queued -> handshake done), claim (-> "
-            "granted), queue (-> READs posted or kernels queued), wire (-> data landed), report (-> handed to "
-            "vLLM); hop (claim sent -> data landed), total (queued -> handed to vLLM).",
+            "granted), queue (-> taken by its path), post (-> READs posted or kernels queued: the host's work; with "
+            "CMA the copy itself), wire (-> data landed), report (-> handed to vLLM); hop (claim sent -> data "
+            "landed), total (queued -> handed to vLLM).",
             buckets=BUCKETS,
             labelnames=[*labelnames, "phase"],
         )
