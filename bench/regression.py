@@ -241,7 +241,7 @@ def run_gpu(args, sides) -> dict:
             dest = out / f"{side}-{run}"
             dest.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, str(tree / "bench" / "gpu_workers.py"), "--out", str(dest), *args.bench_args]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+            proc = subprocess.run(cmd, capture_output=True, text=True)  # the script puts its own tree's src first
             print(f"--- {side} ({label}) round {run}: rc {proc.returncode}\n{proc.stdout[-6000:]}", flush=True)
             files = sorted(dest.glob("gpu-workers-*.json"))
             results = json.loads(files[-1].read_text())["results"] if files else []
