@@ -284,8 +284,10 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--workdir", default="/tmp/kvbridge-regression")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    parser.add_argument("bench_args", nargs="*", help="gpu: arguments for bench/gpu_workers.py (after --)")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.bench_args = argv[split + 1 :]  # gpu: arguments for bench/gpu_workers.py (after --)
     if not args.base_tree:
         args.base = args.base or "b59d6e4"
     if not args.head_tree:
