@@ -171,11 +171,9 @@ def summary(r: dict, copies: dict[int, float]) -> str:
         n: statistics.median(t for w in workers for t in w["phases_s"].get(n, [])[1:] or [float("nan")]) for n in names
     }
     hosts = [
-        h + q
+        sum(parts)
         for w in workers
-        for h, q in zip(
-            w.get("phases_s", {}).get("handshake", [])[1:], w.get("phases_s", {}).get("queue", [])[1:], strict=False
-        )
+        for parts in zip(*(w.get("phases_s", {}).get(n, [])[1:] for n in ("handshake", "queue", "post")), strict=False)
     ]
     r["host_post_median_s"] = statistics.median(hosts) if hosts else None
     r["ratio"] = copy / med if copy else None

@@ -118,12 +118,14 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
         )
     prefill, decode = servers
 
-    def kv() -> tuple[float, float, float]:
+    def kv() -> tuple[float, ...]:
+        """KV bytes, transfer seconds and loads, then each load phase's seconds (commits that export them)."""
         m = metrics(decode.url)
         return (
             metric_sum(m, "vllm:kvbridge_bytes_total"),
             metric_sum(m, "vllm:kvbridge_transfer_seconds_sum"),
             metric_sum(m, "vllm:kvbridge_transfer_seconds_count"),
+            *(metric_sum(m, "vllm:kvbridge_load_phase_seconds_sum", phase=p) for p in CPU_PHASES),
         )
 
     def settled(before) -> tuple[float, float, float]:
@@ -154,7 +156,7 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
                 decode.url, prompt, 4, kv_transfer_params=first["kv_transfer_params"], timeout=timeout
             )
             after = settled(before)
-            moved, seconds, loads = (a - b for a, b in zip(after, before, strict=True))
+            moved, seconds, loads, *phases = (a - b for a, b in zip(after, before, strict=True))
             per_load_s = seconds / loads if loads else None
             mib_per_load = moved / loads / 2**20 if loads else None
             rows.append(
@@ -167,13 +169,22 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
                     "loads": loads,
                     "transfer_s_per_load": per_load_s,
                     "transfer_ms_per_mib": 1000 * per_load_s / mib_per_load if per_load_s and mib_per_load else None,
+                    "phase_ms_per_load": {
+                        p: 1000 * v / loads for p, v in zip(CPU_PHASES, phases, strict=True) if v and loads
+                    },
                 }
             )
     return {"rows": rows, **cpu_medians(rows)}
 
 
+CPU_PHASES = ("claim", "queue", "post", "wire", "report", "hop")
+"""Load phases read from vllm:kvbridge_load_phase_seconds where the commit exports it (decode_worker.PHASES)."""
+
+
 def cpu_medians(rows: list[dict]) -> dict:
+    phases = {p: median(r.get("phase_ms_per_load", {}).get(p) for r in rows) for p in CPU_PHASES}
     return {
+        **{f"{p}_ms_per_load": v for p, v in phases.items() if v is not None},
         "ttft_ms": 1000 * median(r["ttft_s"] for r in rows),
         "prefill_leg_ms": 1000 * median(r["prefill_leg_s"] for r in rows),
         "decode_leg_ms": 1000 * median(r["decode_leg_s"] for r in rows),
@@ -251,6 +262,7 @@ def run_gpu(args, sides) -> dict:
             for r in results:
                 key = f"{r.get('pair')} {r.get('path_asked')} claims={'on' if r.get('verify_requests') else 'off'}"
                 entry = {k: r.get(k) for k in GPU_KEYS}
+                entry.update(phase_medians_s=r.get("phase_medians_s"), host_post_median_s=r.get("host_post_median_s"))
                 entry.update(
                     ok=r.get("ok"), error=r.get("error"), paths=sorted({w["path"] for w in r.get("decode", [])})
                 )
