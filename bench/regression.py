@@ -174,11 +174,17 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
                     },
                 }
             )
-    return {"rows": rows, **cpu_medians(rows)}
+        # the prefill side's timeline of the requests it released (commits that export it), means over the run
+        m = metrics(prefill.url)
+        name = "vllm:kvbridge_hold_phase_seconds"
+        counts = {p: metric_sum(m, f"{name}_count", phase=p) for p in HOLD_PHASES}
+        hold = {p: 1000 * metric_sum(m, f"{name}_sum", phase=p) / n for p, n in counts.items() if n}
+    return {"rows": rows, **cpu_medians(rows), "prefill_hold_phase_ms_mean": hold}
 
 
 CPU_PHASES = ("claim", "queue", "post", "wire", "report", "hop")
 """Load phases read from vllm:kvbridge_load_phase_seconds where the commit exports it (decode_worker.PHASES)."""
+HOLD_PHASES = ("hold", "claim", "release")  # the prefill's: finished -> held -> claim answered -> released
 
 
 def cpu_medians(rows: list[dict]) -> dict:

@@ -70,7 +70,8 @@ SLOW_LOAD_S = 2.0
 PHASES = ("handshake", "claim", "queue", "post", "wire", "report", "hop", "total")
 """A load's timeline in `TransferStats.phases` (`Load.durations`): queued -> handshake done -> claim granted ->
 taken by its path (queue) -> READs posted or kernels queued (post: the host's work) -> data landed (wire) ->
-reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported."""
+reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported. A CUDA IPC load also has the
+post's parts: `post_checks` (its block ids checked) and `post_launch` (events, id upload, kernel launches)."""
 
 
 @dataclass

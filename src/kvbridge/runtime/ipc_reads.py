@@ -108,7 +108,9 @@ class IpcReads:
             for rank in engine.kernels:  # arrays after the first: the later checks convert nothing
                 remote, local = block_lists(remote, local, engine.peers[rank].memory, self.memory)
             live = engine.kernels if job.num_blocks else {}
+            load.checked = time.monotonic()
             load.start_event, load.event = self.reader.launch(live, remote, local)
+            load.launched = time.monotonic()
         except Exception as exc:  # bad block ids, or a launch error
             if not isinstance(exc, KVBridgeError):
                 logger.exception("kvbridge decode %s: gather kernel launch failed", self.identity)

@@ -91,6 +91,8 @@ class Load:
     claimed: float = 0.0
     claim_retries: int = 0
     started: float = 0.0
+    checked: float = 0.0  # CUDA IPC path: its block ids checked, before the launch (the post's two parts)
+    launched: float = 0.0
     posted: float = 0.0
     landed: float = 0.0
 
@@ -128,6 +130,9 @@ class Load:
         out["report"] = max(0.0, reported - self.landed)
         out["hop"] = max(0.0, self.landed - (self.claim_sent or self.connected))
         out["total"] = max(0.0, reported - self.queued)
+        if self.checked and self.launched:  # the CUDA IPC path's post: the id checks, then the launch
+            out["post_checks"] = max(0.0, self.checked - self.started)
+            out["post_launch"] = max(0.0, self.launched - self.checked)
         return out
 
     # CUDA IPC path: the kernels' events (the GPU time is start_event.elapsed_time(event))
