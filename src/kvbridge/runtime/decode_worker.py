@@ -352,6 +352,7 @@ class DecodeWorker:
             blocks_digest=groups_digest(source.group_block_ids),
         )
         load.claim_sent = time.monotonic()
+        load.block_arrays = None  # checked for this engine only (a restarted one is claimed again)
         window = min(load.deadline, load.claim_sent + self.config.claim_window_s)
         pending = list(load.read_ranks)
         backoff = Backoff(first_s=5e-3, cap_s=50e-3)
@@ -363,6 +364,8 @@ class DecodeWorker:
                 [address(source, r) for r in pending],
                 msgspec.structs.replace(claim, wait_s=round(wait_s, 3)),
                 [identity(source, r) for r in pending],
+                # the CUDA IPC path checks the block ids while the claim is on the wire, not after it
+                while_waiting=(lambda: self.ipc.prepare(load)) if self._launches_here(load) else None,
             )
             refused = []
             for rank, answer in zip(pending, answers, strict=True):

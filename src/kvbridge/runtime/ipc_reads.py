@@ -95,6 +95,22 @@ class IpcReads:
 
     # -- per load ---------------------------------------------------------------------------------
 
+    def prepare(self, load: Load) -> None:
+        """Check and convert the load's block ids ahead of its launch (the claiming thread does it while its claim
+        is on the wire); a failure is left for the launch to report."""
+        try:
+            load.block_arrays = self._checked(load)
+        except Exception:  # reported by the launch, which checks again
+            load.block_arrays = None
+
+    def _checked(self, load: Load) -> tuple:
+        """The load's (remote, local) block ids as arrays, checked against every worker read and this one."""
+        engine = load.engine
+        remote, local = load.job.one_group()  # the gather kernels serve one-group engines only
+        for rank in engine.kernels:  # arrays after the first: the later checks convert nothing
+            remote, local = block_lists(remote, local, engine.peers[rank].memory, self.memory)
+        return remote, local
+
     def launch(self, load: Load) -> None:
         """Queue the load's kernels (any thread, one at a time); a failed launch reports the load once the stream is
         idle."""
@@ -104,9 +120,7 @@ class IpcReads:
     def _launch(self, load: Load) -> None:
         engine, job = load.engine, load.job
         try:
-            remote, local = job.one_group()  # the gather kernels serve one-group engines only
-            for rank in engine.kernels:  # arrays after the first: the later checks convert nothing
-                remote, local = block_lists(remote, local, engine.peers[rank].memory, self.memory)
+            remote, local = load.block_arrays or self._checked(load)
             live = engine.kernels if job.num_blocks else {}
             load.checked = time.monotonic()
             load.start_event, load.event = self.reader.launch(live, remote, local)

@@ -135,7 +135,9 @@ class Load:
             out["post_launch"] = max(0.0, self.launched - self.checked)
         return out
 
-    # CUDA IPC path: the kernels' events (the GPU time is start_event.elapsed_time(event))
+    # CUDA IPC path: its block ids checked ahead (IpcReads.prepare), the kernels' events (the GPU time is
+    # start_event.elapsed_time(event))
+    block_arrays: tuple | None = None
     event: Any = None
     start_event: Any = None
     error: str = ""  # set once it failed; it is reported when nothing can still write its blocks

@@ -640,10 +640,13 @@ class SideChannelClient:
         targets: list[tuple[str, int]],
         message: wire.Message,
         identities: list[Identity] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> list[wire.Message | Exception]:
         """Send `message` to every (host, port) and return, in order, each one's answer, or the error that
         stands for it (TransferTimeout after `1 + retries` attempts of `timeout_s`, ProtocolError...).
-        `identities[i]`: the worker target i is (sealed requests are bound to it); default NO_IDENTITY."""
+        `identities[i]`: the worker target i is (sealed requests are bound to it); default NO_IDENTITY.
+        `while_waiting`: work to do once the first attempt is sent, before its answers are awaited (it must not
+        raise)."""
         payload = wire.encode(message)
         addresses = [endpoint(host, port) for host, port in targets]
         dests = {
@@ -671,6 +674,9 @@ class SideChannelClient:
                 except zmq.ZMQError as exc:
                     self._drop(address)
                     answers[address] = TransferError(f"cannot reach the side channel {address}: {exc}")
+            if while_waiting is not None:
+                while_waiting()
+                while_waiting = None
             poller = zmq.Poller()
             for sock in polling:
                 poller.register(sock, zmq.POLLIN)
