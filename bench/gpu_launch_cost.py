@@ -1,9 +1,10 @@
 """Host cost of starting one request's gather on the GPU, piece by piece, and a profile of where it goes.
 
-One process, two GPUs: per-layer KV tensors (Qwen2.5-7B shape, float32, vLLM 0.32's [blocks, heads, block size,
-2*head size]) on cuda:0 and cuda:1, one `GatherKernel` between them (as the decode worker builds per prefill
-worker), a 512-block scattered request. Times, per request: the block-id checks (`descriptors.block_lists`), the
-id upload (`GatherKernel.block_ids`), the launch, and the two events around them; then runs the same loop under
+One process, two GPUs (with one GPU both buffers are on it): per-layer KV tensors (Qwen2.5-7B shape, float32,
+vLLM 0.32's [blocks, heads, block size, 2*head size]) on cuda:0 and cuda:1, one `GatherKernel` between them (as the
+decode worker builds per prefill worker), a 512-block scattered request. Times, per request: the block-id checks
+(`descriptors.block_lists`), the id upload (`GatherKernel.block_ids`), the launch, and the two events around them;
+then runs the same loop under
 cProfile and prints the top entries.
 
     python3 bench/gpu_launch_cost.py --out DIR
@@ -55,10 +56,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     geometry = KVGeometry(args.layers, 4, 128, "float32", 16)
     layout = ParallelLayout()
-    torch.empty(1, device="cuda:0").copy_(torch.ones(1, device="cuda:1"))  # peer access both ways
-    torch.empty(1, device="cuda:1").copy_(torch.ones(1, device="cuda:0"))
+    other = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"  # one GPU: both buffers on it
+    torch.empty(1, device="cuda:0").copy_(torch.ones(1, device=other))  # peer access both ways
+    torch.empty(1, device=other).copy_(torch.ones(1, device="cuda:0"))
     src_mem, src_regions = worker("cuda:0", args.layers, args.blocks)
-    dst_mem, dst_regions = worker("cuda:1", args.layers, args.blocks)
+    dst_mem, dst_regions = worker(other, args.layers, args.blocks)
     plan = make_plan(layout, layout, geometry)
     rank = WorkerRank(0, 0)
     segments = worker_segments(plan, rank, dst_mem, {rank: src_mem})[rank]

@@ -163,6 +163,19 @@ def summary(r: dict, copies: dict[int, float]) -> str:
     gpus = [t for w in workers for t in w["gpu_times_s"][1:]]
     gpu = statistics.median(gpus) if gpus else float("nan")
     r.update(ok=ok, warm_median_s=med, post_median_s=post, gpu_median_s=gpu, copy_s=copy)
+    # Each warm load's timeline (decode_worker.PHASES): host posting = handshake (the hand-off to the thread that
+    # claims) + queue (claim granted -> taken by its path) + post (-> kernels queued or READs posted); claim is the
+    # side-channel round trip.
+    names = sorted({n for w in workers for n in w.get("phases_s", {})})
+    r["phase_medians_s"] = {
+        n: statistics.median(t for w in workers for t in w["phases_s"].get(n, [])[1:] or [float("nan")]) for n in names
+    }
+    hosts = [
+        sum(parts)
+        for w in workers
+        for parts in zip(*(w.get("phases_s", {}).get(n, [])[1:] for n in ("handshake", "queue", "post")), strict=False)
+    ]
+    r["host_post_median_s"] = statistics.median(hosts) if hosts else None
     r["ratio"] = copy / med if copy else None
     # Throughput of the loads after the first: bytes over the time from the first done to the last done.
     spans = [w["warm_s"] for w in workers if w.get("warm_s")]
@@ -178,6 +191,13 @@ def summary(r: dict, copies: dict[int, float]) -> str:
         f"first={first * 1e3:7.1f} ms warm median={med * 1e3:7.2f} ms ({per_worker / med / 1e9:5.1f} GB/s/worker) "
         f"copy={copy * 1e3 if copy else float('nan'):5.2f} ms  copy/warm={ratio}  (posted after {post * 1e3:5.2f} ms,"
         f" on the GPU {gpu * 1e3:5.2f} ms){streamed}"
+        + (
+            "\n    phases (median ms): "
+            + ", ".join(f"{n} {v * 1e3:.3f}" for n, v in r["phase_medians_s"].items())
+            + f"; host posting {r['host_post_median_s'] * 1e3:.3f} ms"
+            if r.get("host_post_median_s") is not None
+            else ""
+        )
     )
 
 

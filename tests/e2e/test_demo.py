@@ -15,7 +15,8 @@ pytestmark = pytest.mark.vllm
 
 SUMMARY = re.compile(
     r"^summary: (\d+) requests, (\d+) of (\d+) equal the aggregated run, median TTFT ([\d.]+) ms, "
-    r"([\d.]+) MiB of KV moved at ([\d.]+) GB/s$",
+    r"([\d.]+) MiB of KV moved, median claim wait ([\d.]+) ms, median KV hop ([\d.]+) ms, "
+    r"wire rate ([\d.]+) GB/s \(wire time only\)$",
     re.MULTILINE,
 )
 
@@ -56,10 +57,15 @@ def test_demo_runs_and_cleans_up(tmp_path):
     match = SUMMARY.search(out)
     assert match, out[-3000:]
     assert out.rstrip().endswith(match.group(0)), "the summary must be the last line"
-    requests, equal, of, ttft_ms, mib, gbps = match.groups()
+    requests, equal, of, ttft_ms, mib, claim_ms, hop_ms, gbps = match.groups()
     assert int(requests) == int(equal) == int(of) == 3
     assert float(ttft_ms) == pytest.approx(statistics.median(float(r.split()[2]) for r in rows), abs=0.11)
     assert float(mib) == pytest.approx(sum(float(r.split()[4]) for r in rows), abs=0.02) and float(gbps) > 0
+    assert float(claim_ms) == pytest.approx(statistics.median(float(r.split()[5]) for r in rows), abs=0.011)
+    assert float(hop_ms) == pytest.approx(statistics.median(float(r.split()[6]) for r in rows), abs=0.011)
+    for row in rows:  # the hop holds the claim and the wire time
+        claim, hop, wire = (float(v) for v in row.split()[5:8])
+        assert 0 < wire <= hop + 0.011 and claim <= hop + 0.011, row
     assert processes_mentioning(str(tmp_path)) == [], "the demo left vLLM servers running"
 
 
@@ -87,11 +93,15 @@ def processes_mentioning(text: str, timeout: float = 10.0) -> list[int]:
 
 
 def test_summary_says_how_many_outputs_differ():
-    from kvbridge.serving.demo import summary
+    from kvbridge.serving.demo import Row, summary
 
-    rows = [(0.1, 2**20, 1e-3, True), (0.3, 2**20, 1e-3, False), (0.2, 0.0, 0.0, True)]
+    rows = [
+        Row(0.1, 2**20, 1e-4, 2e-3, 1e-3, True),
+        Row(0.3, 2**20, 3e-4, 4e-3, 1e-3, False),
+        Row(0.2, 0.0, 2e-4, 3e-3, 0.0, True),
+    ]
     assert summary(rows) == (
-        "summary: 3 requests, 2 of 3 equal the aggregated run, median TTFT 200.0 ms, 2.00 MiB of KV moved at "
-        "1.05 GB/s; SOME OUTPUTS DIFFER"
+        "summary: 3 requests, 2 of 3 equal the aggregated run, median TTFT 200.0 ms, 2.00 MiB of KV moved, median "
+        "claim wait 0.20 ms, median KV hop 3.00 ms, wire rate 1.05 GB/s (wire time only); SOME OUTPUTS DIFFER"
     )
     assert SUMMARY.fullmatch(summary(rows[:1]))

@@ -291,7 +291,7 @@ def test_an_insider_without_the_token_frees_nothing(servers):
         wire.Abort(request_id=done.remote_request_id, engine_id="x", worker=wire.Worker(), token="guess"),
     ):
         answer = exchange("127.0.0.1", servers["port"], message, timeout_s=5.0, sealer=sealer, identity=me)
-        assert answer == wire.ErrorReply(message="refused")
+        assert answer == wire.ErrorReply(message="refused", reason=wire.Refusal.REFUSED)
     assert tokens_of(decode.url, a, params) == tokens_of(prefill.url, a)
     # the control: the token frees an unread request at once (not after the 20 s lease)
     b = prompt(21)

@@ -207,9 +207,29 @@ def test_a_slow_loads_log_says_where_its_time_went():
     from kvbridge.runtime.load import Load
 
     load = Load(LoadJob("r", None, (), ()), queued=10.0, deadline=40.0)
-    assert load.phases(25.0) == "handshake 15.00 s (not done)"
-    load.connected, load.claimed, load.posted = 10.5, 10.6, 10.6
-    assert load.phases(12.0) == "handshake 0.50 s, claim 0.10 s, queue 0.00 s, read 1.40 s"
+    assert load.phases(25.0) == "handshake 15000.00 ms (not done)"
+    load.connected, load.claim_sent, load.claimed, load.started, load.posted = 10.5, 10.5, 10.6, 10.6, 10.6
+    load.claim_retries = 2
+    assert load.phases(12.0) == (
+        "handshake 500.00 ms, claim 100.00 ms (2 retries), queue 0.00 ms, post 0.00 ms, wire 1400.00 ms (not done)"
+    )
+    load.landed = 12.0
+    assert load.phases(12.5) == (
+        "handshake 500.00 ms, claim 100.00 ms (2 retries), queue 0.00 ms, post 0.00 ms, wire 1400.00 ms"
+    )
+    phases = load.durations(reported=12.5)
+    assert phases == pytest.approx(
+        {
+            "handshake": 0.5,
+            "claim": 0.1,
+            "queue": 0.0,
+            "post": 0.0,
+            "wire": 1.4,
+            "report": 0.5,
+            "hop": 1.5,
+            "total": 2.5,
+        }
+    )
 
 
 def many_silent_then_healthy(workers, engines: int = 20) -> float:

@@ -92,10 +92,10 @@ def test_a_stage_needs_this_readers_claim(prefill):
     worker, client, _, memory = prefill
     worker.hold("r", (BLOCK_IDS,), "t", "h")
     unclaimed = ask(client, worker, stage(memory, "r"))
-    assert isinstance(unclaimed, wire.ErrorReply) and unclaimed.message.endswith("not_claimed"), unclaimed
+    assert isinstance(unclaimed, wire.ErrorReply) and unclaimed.reason is wire.Refusal.NOT_CLAIMED, unclaimed
     assert isinstance(ask(client, worker, claim("r")), wire.Ack)
     forged = ask(client, worker, stage(memory, "r", token="x"))
-    assert isinstance(forged, wire.ErrorReply) and forged.message.endswith("not_claimed"), forged
+    assert isinstance(forged, wire.ErrorReply) and forged.reason is wire.Refusal.NOT_CLAIMED, forged
     staged = ask(client, worker, stage(memory, "r"))
     assert isinstance(staged, wire.Staged) and staged.chunks == 3, staged
     # the chunk holds block 3's bytes of layer 0, gathered from the KV

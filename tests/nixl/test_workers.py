@@ -71,9 +71,13 @@ def test_a_notification_without_the_token_frees_nothing(prefill):
     prefill.hold("req-3", ((2,),), token="secret")
     for token in ("", "guess"):
         note = wire.Notify(request_id="req-3", engine_id="x", worker=wire.Worker(), expected=1, token=token)
-        assert exchange("127.0.0.1", prefill.port, note, timeout_s=5) == wire.ErrorReply(message="refused")
+        assert exchange("127.0.0.1", prefill.port, note, timeout_s=5) == wire.ErrorReply(
+            message="refused", reason=wire.Refusal.REFUSED
+        )
         abort = wire.Abort(request_id="req-3", engine_id="x", worker=wire.Worker(), token=token)
-        assert exchange("127.0.0.1", prefill.port, abort, timeout_s=5) == wire.ErrorReply(message="refused")
+        assert exchange("127.0.0.1", prefill.port, abort, timeout_s=5) == wire.ErrorReply(
+            message="refused", reason=wire.Refusal.REFUSED
+        )
     assert wait_finished(prefill, timeout=0.5) == (set(), 0)
     assert prefill.lease_counts()["refused"] == 4 and prefill.lease_counts()["held"] == 1
     # the control: the right token frees it at once

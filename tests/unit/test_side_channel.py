@@ -171,7 +171,7 @@ def test_respond_turns_garbage_and_handler_failures_into_error_replies() -> None
     assert isinstance(garbage, wire.ErrorReply) and "malformed" in garbage.message
     assert len(calls) == 5
     no_hook = _answer(wire.encode(wire.Ack()), sc.handshake_handler(prefill_reply(0, WorkerRank(0, 0))))
-    assert no_hook == wire.ErrorReply(message="this side channel does not handle Ack")
+    assert no_hook == wire.ErrorReply(message="this side channel does not handle Ack", reason=wire.Refusal.UNEXPECTED)
 
 
 @pytest.mark.parametrize(
@@ -658,3 +658,24 @@ def test_the_connection_bound_cuts_authenticated_connections_last() -> None:
     bound.accepted(99, "b")
     bound.accepted(100, "b")
     assert bound.accepted(101, "b") == [99]
+
+
+def test_work_while_waiting_runs_once_after_the_send_and_overlaps_the_round_trip() -> None:
+    """What the decode's claim does while the claim is on the wire (the CUDA IPC path checks its block ids): run
+    once, after the request left (the server answers while it runs), before the answer is taken."""
+    with sc.SideChannelServer(0, _echo) as server:
+        client = sc.SideChannelClient(timeout_s=DEADLINE_S, retries=0)
+        try:
+            ran: list[float] = []
+
+            def work() -> None:
+                time.sleep(0.3)  # longer than the round trip: the answer is already waiting when it ends
+                ran.append(time.monotonic())
+
+            t0 = time.monotonic()
+            answer = client.exchange_all([(HOST, server.port)], _claim("r"), while_waiting=work)
+            took = time.monotonic() - t0
+            assert answer == [wire.ErrorReply(message="r")] and len(ran) == 1
+            assert took < 0.3 + 0.2  # the round trip ran beside the work, not after it
+        finally:
+            client.close()

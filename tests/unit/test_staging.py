@@ -179,7 +179,11 @@ def test_a_huge_stage_allocates_nothing_beyond_the_buffer():
         answer = stager.answer(msg, until=1e12, epoch="x")
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        assert isinstance(answer, wire.ErrorReply) and answer.message.endswith("too_large"), answer
+        assert (
+            isinstance(answer, wire.ErrorReply)
+            and answer.message.endswith("too_large")
+            and answer.reason is wire.Refusal.STAGE
+        ), answer
         assert peak < 8 << 20, peak
         assert stager.buffer.nbytes == 1 << 20 and stager.sessions == 0 and stager.free_slots == stager.num_slots
     finally:
@@ -214,7 +218,7 @@ def test_sessions_are_bounded_by_the_slots():
     try:
         assert isinstance(stage(0), wire.Staged) and isinstance(stage(1), wire.Staged)
         third = stage(2)
-        assert isinstance(third, wire.ErrorReply) and third.message.endswith("busy"), third
+        assert isinstance(third, wire.ErrorReply) and third.reason is wire.Refusal.BUSY, third
         stager.finish("r", "e", str(wire.Worker(tp=0)))
         assert isinstance(stage(2), wire.Staged)
         assert stager.drop({"r"}, now=0.0) == 2 and stager.free_slots == 4

@@ -232,8 +232,15 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     each waiting out the handshake timeouts (0: every load tries again)."""
 
     claim_window_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 2.0
-    """Decode side: how long a claim refused as not held is retried (the prefill side learns of a hold one engine
-    step after the client got its kv_transfer_params); never past the load's deadline."""
+    """How long a claim of a request not held yet may wait for its hold (the prefill side learns of a hold one
+    engine step after the client got its kv_transfer_params): the prefill worker keeps such a claim and answers
+    it when the hold comes (or as not held once this passed); the decode side retries a claim refused at once
+    as not held for as long. Never past the load's deadline."""
+
+    max_waiting_claims: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 1024
+    """Prefill side: claims of requests not held yet kept waiting for their holds at once (each costs an entry
+    until its hold or claim_window_s: a forged flood is bounded by this); beyond it a claim is refused at once.
+    0: never wait (the decode side then retries)."""
 
     claims_per_engine: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
     """Decode side: claims of one prefill engine on control threads at once, so a slow engine cannot take them

@@ -258,6 +258,10 @@ class LeaseBook:
     def held(self) -> int:
         return len(self._entries)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` is held (whatever its state: a claim of it is answered now, never kept waiting)."""
+        return request_id in self._entries
+
     def next_expiry(self) -> float | None:
         expiries = [e.read_until if e.read_until is not None else e.expiry for e in self._entries.values()]
         return min(expiries) if expiries else None

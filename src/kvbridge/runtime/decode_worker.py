@@ -38,6 +38,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.errors import KVBridgeError, RequestParamsError, TransferError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
@@ -65,7 +67,13 @@ __all__ = ["DecodeWorker", "LoadJob", "TransferStats"]  # LoadJob: the connector
 logger = logging.getLogger(__name__)
 
 SLOW_LOAD_S = 2.0
-"""A load that takes longer is logged with where its time went (handshake, claim, queue, read)."""
+"""A load that takes longer is logged with where its time went (handshake, claim, queue, wire)."""
+
+PHASES = ("handshake", "claim", "queue", "post", "wire", "report", "hop", "total")
+"""A load's timeline in `TransferStats.phases` (`Load.durations`): queued -> handshake done -> claim granted ->
+taken by its path (queue) -> READs posted or kernels queued (post: the host's work) -> data landed (wire) ->
+reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported. A CUDA IPC load also has the
+post's parts: `post_checks` (its block ids checked) and `post_launch` (events, id upload, kernel launches)."""
 
 
 @dataclass
@@ -79,6 +87,8 @@ class TransferStats:
     seconds: list[float] = field(default_factory=list)  # per load: from the job to the reported completion
     post_seconds: list[float] = field(default_factory=list)  # per load: from the job to the READs posted/kernels queued
     gpu_seconds: list[float] = field(default_factory=list)  # per CUDA IPC load: the kernels' time on the GPU
+    phases: dict[str, list[float]] = field(default_factory=dict)  # per load that landed: seconds by PHASES name
+    claim_retries: int = 0  # claims refused at once as not held and sent again
 
 
 class DecodeWorker:
@@ -112,6 +122,7 @@ class DecodeWorker:
         self._outstanding = 0  # loads queued to report and not yet reported (under _lock)
         self._done: set[str] = set()
         self._failed: set[str] = set()
+        self._landed: list[Load] = []  # landed since the last results(): their report phase ends there
         self._stats = TransferStats()
         self._pool = ThreadPoolExecutor(
             control_threads, thread_name_prefix=f"kvbridge-control-{identity.rank}", initializer=unpin_this_thread
@@ -221,6 +232,11 @@ class DecodeWorker:
             done, self._done = self._done, set()
             failed, self._failed = self._failed, set()
             stats, self._stats = self._stats, TransferStats()
+            landed, self._landed = self._landed, []
+        now = time.monotonic()
+        for load in landed:
+            for name, seconds in load.durations(now).items():
+                stats.phases.setdefault(name, []).append(seconds)
         return done, failed, stats
 
     def reads_through_ipc(self, source: PrefillDone) -> bool:
@@ -257,7 +273,11 @@ class DecodeWorker:
     def _admit(self, load: Load, connected: Future[Engine]) -> None:
         """Run the load's claim on a control thread, at most `claims_per_engine` (config) at once per engine: a slow
         engine's claims wait in its own backlog, never in front of other engines' (they hold control threads while
-        they wait)."""
+        they wait). A load that makes no claim (verify_requests off, or nothing to read) takes its step here, on
+        the thread that connected it: handing it to a control thread would only add a thread switch."""
+        if not (self.config.verify_requests and load.job.num_blocks):
+            self._claim_step(load, connected)
+            return
         key = engine_key(load.job.source)
         with self._lock:
             running = self._claiming.get(key, 0)
@@ -313,7 +333,15 @@ class DecodeWorker:
                 logger.exception("kvbridge decode %s: claim step failed", self.identity)
             self._fail(load, str(exc) or type(exc).__name__)
             return
-        self._ready.put(load)
+        if load.claim_sent and self._launches_here(load):
+            self._post(load)  # the kernels go out from the thread that claimed: no hand-off to the transfer thread
+        else:
+            self._ready.put(load)
+
+    def _launches_here(self, load: Load) -> bool:
+        """Whether a claimed load's kernels may be launched by the thread that claimed it (the CUDA IPC path takes
+        launches from any thread, one at a time, in stream order); READs are posted by the transfer thread."""
+        return self.ipc is not None and load.engine.kernels is not None and load.job.span is None
 
     def _ranks_read(self, load: Load, engine: Engine) -> tuple[WorkerRank, ...]:
         """The prefill workers this worker reads from for this job (all of the plan's, if it has blocks)."""
@@ -335,12 +363,21 @@ class DecodeWorker:
             read_timeout_s=max(0.0, load.deadline - time.monotonic()),
             blocks_digest=groups_digest(source.group_block_ids),
         )
-        window = min(load.deadline, time.monotonic() + self.config.claim_window_s)
+        load.claim_sent = time.monotonic()
+        load.block_arrays = None  # checked for this engine only (a restarted one is claimed again)
+        window = min(load.deadline, load.claim_sent + self.config.claim_window_s)
         pending = list(load.read_ranks)
         backoff = Backoff(first_s=5e-3, cap_s=50e-3)
         while pending:
+            # A prefill worker that does not hold the request yet keeps the claim until the hold comes (within
+            # `wait_s`, under the client's timeout) and answers then: no retry in the common case.
+            wait_s = max(0.0, min(window - time.monotonic(), 0.8 * self.config.handshake_timeout_s))
             answers = self._clients.get().exchange_all(
-                [address(source, r) for r in pending], claim, [identity(source, r) for r in pending]
+                [address(source, r) for r in pending],
+                msgspec.structs.replace(claim, wait_s=round(wait_s, 3)),
+                [identity(source, r) for r in pending],
+                # the CUDA IPC path checks the block ids while the claim is on the wire, not after it
+                while_waiting=(lambda: self.ipc.prepare(load)) if self._launches_here(load) else None,
             )
             refused = []
             for rank, answer in zip(pending, answers, strict=True):
@@ -351,14 +388,15 @@ class DecodeWorker:
                         return rank
                     continue
                 text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
-                if not text.endswith("not_held"):  # mismatch, another reader: final
-                    raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
+                if not isinstance(answer, wire.ErrorReply) or answer.reason is not wire.Refusal.NOT_HELD:
+                    raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")  # final
                 refused.append((rank, text))
-            if refused and time.monotonic() > window:
+            if refused and time.monotonic() >= window:
                 rank, text = refused[0]
                 raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
             pending = [r for r, _ in refused]
-            if pending:
+            if pending:  # refused at once (its waiting claims are full, or a peer that does not wait)
+                load.claim_retries += 1
                 backoff.sleep()
         return None
 
@@ -389,7 +427,8 @@ class DecodeWorker:
         """Hand a claimed load (counted on its engine since its claim) to its path: kernels if the engine has them,
         else READs."""
         engine = load.engine
-        if time.monotonic() > load.deadline:
+        load.started = time.monotonic()
+        if load.started > load.deadline:
             self._fail(load, f"not started after {load.deadline - load.queued:.3g} s (its deadline)")
             return
         if engine.stream:  # another host, NIXL kept off the network: kvbridge's KV channel or nothing
@@ -412,7 +451,7 @@ class DecodeWorker:
     # -- reporting --------------------------------------------------------------------------------
 
     def _complete(self, load: Load, gpu_s: float | None = None) -> None:
-        now = time.monotonic()
+        now = load.landed = time.monotonic()
         elapsed = now - load.queued
         if elapsed > SLOW_LOAD_S:
             logger.warning(
@@ -430,6 +469,9 @@ class DecodeWorker:
             self._stats.post_seconds.append(load.posted - load.queued)
             if gpu_s is not None:
                 self._stats.gpu_seconds.append(gpu_s)
+            self._stats.claim_retries += load.claim_retries
+            if load.job.report:
+                self._landed.append(load)
         self._report(load, True)
 
     def _copied(self, load: Load, gpu_s: float | None) -> None:

@@ -4,7 +4,8 @@ Per engine: the prefill workers' regions opened through CUDA IPC and one gather 
 (`kvbridge.transport.ipc_reader`), made by its handshake (`connect`; None: that engine is read through NIXL) and
 dropped when the engine is reaped (`forget`): the engine's `inflight` counts every load launched on it until that
 load is reported, so the mappings stay open while any kernel queued on them runs. Per load: one launch from the
-transfer thread, on one stream, so kernels finish in launch order; the waiter thread sleeps on each load's
+thread that has it ready (the transfer thread, or the control thread that claimed it), one at a time under
+`_launching`, on one stream, so kernels finish in launch order; the waiter thread sleeps on each load's
 blocking-sync event in that order and reports it. A launch that fails waits for the stream first: whatever it
 queued must finish before the engine can reuse the blocks.
 """
@@ -57,6 +58,7 @@ class IpcReads:
         self.failed = failed
         self.reader: IpcReader | None = None
         self._launched: queue.Queue[Load | None] = queue.Queue()  # kernels queued, in launch order (one stream)
+        self._launching = threading.Lock()  # one launch at a time: stream order = the waiter's order
         self._waiter: threading.Thread | None = None
 
     def start(self) -> IpcReads:
@@ -93,15 +95,36 @@ class IpcReads:
 
     # -- per load ---------------------------------------------------------------------------------
 
+    def prepare(self, load: Load) -> None:
+        """Check and convert the load's block ids ahead of its launch (the claiming thread does it while its claim
+        is on the wire); a failure is left for the launch to report."""
+        try:
+            load.block_arrays = self._checked(load)
+        except Exception:  # reported by the launch, which checks again
+            load.block_arrays = None
+
+    def _checked(self, load: Load) -> tuple:
+        """The load's (remote, local) block ids as arrays, checked against every worker read and this one."""
+        engine = load.engine
+        remote, local = load.job.one_group()  # the gather kernels serve one-group engines only
+        for rank in engine.kernels:  # arrays after the first: the later checks convert nothing
+            remote, local = block_lists(remote, local, engine.peers[rank].memory, self.memory)
+        return remote, local
+
     def launch(self, load: Load) -> None:
-        """Queue the load's kernels (transfer thread); a failed launch reports the load once the stream is idle."""
+        """Queue the load's kernels (any thread, one at a time); a failed launch reports the load once the stream is
+        idle."""
+        with self._launching:
+            self._launch(load)
+
+    def _launch(self, load: Load) -> None:
         engine, job = load.engine, load.job
         try:
-            remote, local = job.one_group()  # the gather kernels serve one-group engines only
-            for rank in engine.kernels:  # arrays after the first: the later checks convert nothing
-                remote, local = block_lists(remote, local, engine.peers[rank].memory, self.memory)
+            remote, local = load.block_arrays or self._checked(load)
             live = engine.kernels if job.num_blocks else {}
+            load.checked = time.monotonic()
             load.start_event, load.event = self.reader.launch(live, remote, local)
+            load.launched = time.monotonic()
         except Exception as exc:  # bad block ids, or a launch error
             if not isinstance(exc, KVBridgeError):
                 logger.exception("kvbridge decode %s: gather kernel launch failed", self.identity)

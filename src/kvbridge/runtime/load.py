@@ -81,22 +81,63 @@ class Load:
     read_ranks: tuple[WorkerRank, ...] = ()
     nbytes: int = 0
     descriptors: int = 0
-    connected: float = 0.0  # its engine's handshake done (monotonic)
-    claimed: float = 0.0  # its claim acknowledged by every worker read
+    # Its timeline (monotonic seconds; 0: not reached): queued (the worker learns of it) -> connected (its
+    # engine's handshake done) -> claim_sent -> claimed (granted by every worker read, after claim_retries
+    # refusals as not held) -> started (its path took it: the transfer thread, or the claiming thread on the CUDA
+    # IPC path) -> posted (READs posted or kernels queued; with CMA, READs of host memory copy inside the post) ->
+    # landed (its data is in its blocks) -> reported (handed to vLLM).
+    connected: float = 0.0
+    claim_sent: float = 0.0
+    claimed: float = 0.0
+    claim_retries: int = 0
+    started: float = 0.0
+    checked: float = 0.0  # CUDA IPC path: its block ids checked, before the launch (the post's two parts)
+    launched: float = 0.0
     posted: float = 0.0
+    landed: float = 0.0
 
     def phases(self, now: float) -> str:
-        """Where its time went, for the log of a slow or failed load: "handshake 0.01 s, claim 0.00 s, read 1.2 s"."""
-        marks = [("handshake", self.connected), ("claim", self.claimed), ("queue", self.posted), ("read", now)]
+        """Where its time went, for the log of a slow or failed load: "handshake 0.01 ms, claim 0.20 ms (0 retries),
+        queue 0.01 ms, post 0.10 ms, wire 1.20 ms"."""
         out, last = [], self.queued
-        for name, t in marks:
+        for name, t in self.marks():
             if not t:
-                return ", ".join([*out, f"{name} {now - last:.2f} s (not done)"])
-            out.append(f"{name} {t - last:.2f} s")
+                return ", ".join([*out, f"{name} {1000 * (now - last):.2f} ms (not done)"])
+            out.append(
+                f"{name} {1000 * (t - last):.2f} ms" + (f" ({self.claim_retries} retries)" if name == "claim" else "")
+            )
             last = t
         return ", ".join(out)
 
-    # CUDA IPC path: the kernels' events (the GPU time is start_event.elapsed_time(event))
+    def marks(self) -> list[tuple[str, float]]:
+        """The end of each phase, in order (a load without a claim has none: its claim phase is empty)."""
+        claimed = self.claimed or (self.connected if not self.claim_sent else 0.0)
+        return [
+            ("handshake", self.connected),
+            ("claim", claimed),
+            ("queue", self.started),
+            ("post", self.posted),
+            ("wire", self.landed),
+        ]
+
+    def durations(self, reported: float) -> dict[str, float]:
+        """Seconds of each phase of a load that landed, and `hop` (claim sent -> landed: the KV hop) and `total`
+        (queued -> reported)."""
+        out, last = {}, self.queued
+        for name, t in self.marks():
+            out[name] = max(0.0, t - last)
+            last = t
+        out["report"] = max(0.0, reported - self.landed)
+        out["hop"] = max(0.0, self.landed - (self.claim_sent or self.connected))
+        out["total"] = max(0.0, reported - self.queued)
+        if self.checked and self.launched:  # the CUDA IPC path's post: the id checks, then the launch
+            out["post_checks"] = max(0.0, self.checked - self.started)
+            out["post_launch"] = max(0.0, self.launched - self.checked)
+        return out
+
+    # CUDA IPC path: its block ids checked ahead (IpcReads.prepare), the kernels' events (the GPU time is
+    # start_event.elapsed_time(event))
+    block_arrays: tuple | None = None
     event: Any = None
     start_event: Any = None
     error: str = ""  # set once it failed; it is reported when nothing can still write its blocks

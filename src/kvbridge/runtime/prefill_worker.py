@@ -19,6 +19,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig, is_loopback
@@ -35,13 +36,38 @@ from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.keys import KeyRing, token_is_ours
-from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
+from kvbridge.wire.side_channel import Later, SideChannelServer, handshake_handler, side_channel_port
 from kvbridge.wire.stream_messages import StreamRead
 
 if TYPE_CHECKING:
     from kvbridge.core.memory import IpcHandle
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiting:
+    """A claim of a request not held yet, answered when its hold comes or at `until`."""
+
+    claim: wire.Claim
+    answer: Later
+    until: float
+
+
+@dataclass
+class HoldTimes:
+    """One held request's timeline on this worker (monotonic seconds; the clock is the host's, shared by
+    processes): request finished (the scheduler's request_finished) -> hold registered here -> first claim
+    answered -> released (freed: read, aborted or expired)."""
+
+    finished: float
+    held: float
+    claimed: float = 0.0
+
+    def phases(self, released: float) -> tuple[float, float, float]:
+        """(finished -> held, held -> claim answered (0 if none: the phase ends at release), -> released)."""
+        claimed = self.claimed or released
+        return max(0.0, self.held - self.finished), max(0.0, claimed - self.held), max(0.0, released - claimed)
 
 
 class PrefillWorker:
@@ -84,6 +110,10 @@ class PrefillWorker:
         self._changed = threading.Condition(self._lock)  # notified when a lease may have ended (under _lock)
         self._finished: set[str] = set()
         self._expired_new = 0
+        self._waiting: dict[str, list[_Waiting]] = {}  # claims waiting for their holds (under _lock)
+        self._waiting_count = 0
+        self._times: dict[str, HoldTimes] = {}  # held requests' timelines (under _lock)
+        self._hold_phases: list[tuple[float, float, float]] = []  # of requests released since `take_phases`
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
         self._backoff = Backoff(first_s=100e-6, cap_s=5e-3)
         self._stop = threading.Event()
@@ -166,13 +196,83 @@ class PrefillWorker:
         return self
 
     def hold(
-        self, request_id: str, block_ids: tuple[tuple[int, ...], ...] = (), token: str = "", prompt_hash: str = ""
+        self,
+        request_id: str,
+        block_ids: tuple[tuple[int, ...], ...] = (),
+        token: str = "",
+        prompt_hash: str = "",
+        finished_at: float | None = None,
     ) -> None:
         """Keep `request_id`'s blocks (per KV-cache group, as its params publish them) until its readers are done,
-        it is aborted, or its lease expires."""
+        it is aborted, or its lease expires; claims of it that came first are answered now. `finished_at`: when the
+        scheduler finished the request (time.monotonic, for its timeline)."""
+        now = self.clock()
         with self._lock:
-            self._leases.hold(request_id, self.clock(), token, prompt_hash, block_ids)
+            self._leases.hold(request_id, now, token, prompt_hash, block_ids)
+            self._times[request_id] = HoldTimes(now if finished_at is None else finished_at, now)
+            answers = [(w.answer, self._claim(w.claim, now)) for w in self._take_waiting(request_id)]
+        for later, answer in answers:
+            later.give(answer)
         self._wake.set()
+
+    def _claim(self, message: wire.Claim, now: float) -> wire.Message:
+        """Grant or refuse a claim (under _lock)."""
+        refused = self._leases.claim(
+            message.request_id,
+            message.token,
+            message.prompt_hash,
+            message.groups,
+            message.engine_id,
+            message.read_timeout_s or self.config.transfer_timeout_s,
+            now,
+            message.blocks_digest,
+        )
+        if refused:
+            return wire.ErrorReply(message=f"claim refused: {refused}", reason=wire.Refusal(refused))
+        times = self._times.get(message.request_id)
+        if times is not None and not times.claimed:
+            times.claimed = now
+        return wire.Ack(request_id=message.request_id, epoch=self.epoch)
+
+    def _wait_for_hold(self, message: wire.Claim, now: float) -> Later | None:
+        """Keep a claim of a request not held yet until its hold comes (under _lock); None: answer now (held, no
+        wait asked, or `max_waiting_claims` waiting already)."""
+        wait_s = min(message.wait_s, self.config.claim_window_s)
+        if (
+            wait_s <= 0
+            or self._leases.holds(message.request_id)
+            or self._waiting_count >= self.config.max_waiting_claims
+        ):
+            return None
+        later = Later()
+        self._waiting.setdefault(message.request_id, []).append(_Waiting(message, later, now + wait_s))
+        self._waiting_count += 1
+        return later
+
+    def _take_waiting(self, request_id: str) -> list[_Waiting]:
+        waiting = self._waiting.pop(request_id, [])
+        self._waiting_count -= len(waiting)
+        return waiting
+
+    def _lapsed_waits(self, now: float) -> list[Later]:
+        """Claims whose wait passed without their hold (under _lock): they are answered not held."""
+        out = []
+        for request_id in [r for r, ws in self._waiting.items() if any(w.until <= now for w in ws)]:
+            keep = [w for w in self._waiting[request_id] if w.until > now]
+            out += [w.answer for w in self._waiting[request_id] if w.until <= now]
+            self._waiting_count -= len(self._waiting[request_id]) - len(keep)
+            if keep:
+                self._waiting[request_id] = keep
+            else:
+                del self._waiting[request_id]
+        return out
+
+    def take_phases(self) -> list[tuple[float, float, float]]:
+        """Timelines of the requests released since the last call: (finished -> held, held -> claim answered,
+        claim answered -> released) seconds each."""
+        with self._lock:
+            out, self._hold_phases = self._hold_phases, []
+        return out
 
     def _answer(self, message: wire.Message) -> wire.Message:
         """Side-channel messages other than handshakes (runs on the side-channel thread, no NIXL calls).
@@ -181,19 +281,11 @@ class PrefillWorker:
         match message:
             case wire.Claim():
                 with self._lock:
-                    refused = self._leases.claim(
-                        message.request_id,
-                        message.token,
-                        message.prompt_hash,
-                        message.groups,
-                        message.engine_id,
-                        message.read_timeout_s or self.config.transfer_timeout_s,
-                        now,
-                        message.blocks_digest,
-                    )
-                if refused:
-                    return wire.ErrorReply(message=f"claim refused: {refused}")
-                return wire.Ack(request_id=message.request_id, epoch=self.epoch)
+                    later = self._wait_for_hold(message, now)
+                    if later is not None:
+                        self._wake.set()  # the progress thread answers it once its wait passed
+                        return later
+                    return self._claim(message, now)
             case wire.Notify():
                 # Readers that copied through CUDA IPC made no NIXL transfer to carry their notification.
                 with self._lock:
@@ -209,7 +301,7 @@ class PrefillWorker:
                         message.request_id, message.token, message.engine_id, (message.block_ids,), now
                     )
                 if until is None:
-                    return wire.ErrorReply(message="stage refused: not_claimed")
+                    return wire.ErrorReply(message="stage refused: not_claimed", reason=wire.Refusal.NOT_CLAIMED)
                 return self.stager.answer(message, until, self.epoch)
             case wire.Abort():
                 with self._lock:
@@ -218,7 +310,7 @@ class PrefillWorker:
                 self._wake.set()
                 return wire.Ack(request_id=message.request_id, epoch=self.epoch) if taken else _REFUSED
             case _:
-                return wire.ErrorReply(message=f"unexpected {type(message).__name__}")
+                return wire.ErrorReply(message=f"unexpected {type(message).__name__}", reason=wire.Refusal.UNEXPECTED)
 
     def _stream_grant(self, request: StreamRead) -> float | None:
         """The KV channel asks (its connection's thread): until when this reader may read these blocks."""
@@ -284,10 +376,13 @@ class PrefillWorker:
                     active = False
             with self._lock:
                 held = self._leases.held
+                waits = [w.until for ws in self._waiting.values() for w in ws]
             if active:
                 self._backoff.reset()
             # Wait for work; poll quickly while requests are held (readers need our progress).
             delay = self._backoff.step() if held else 0.05
+            if waits:  # answer a claim whose wait passed when it passes
+                delay = max(0.0, min(delay, min(waits) - self.clock()))
             self._wake.wait(delay)
             self._wake.clear()
 
@@ -319,6 +414,13 @@ class PrefillWorker:
             self._expired_new += len(expired)
             if decoded or done or expired:
                 self._changed.notify_all()
+            for request_id in done | expired:
+                if (times := self._times.pop(request_id, None)) is not None:
+                    self._hold_phases.append(times.phases(now))
+            lapsed = self._lapsed_waits(now) if self._waiting else []
+            self._leases.refused_total += len(lapsed)
+        for later in lapsed:
+            later.give(wire.ErrorReply(message="claim refused: not_held", reason=wire.Refusal.NOT_HELD))
         if self.stager is not None:  # sessions of requests freed, or whose pin lapsed, give their slots back
             self.stager.drop(done | expired, now)
         if expired:
@@ -340,7 +442,7 @@ class PrefillWorker:
             }
 
 
-_REFUSED = wire.ErrorReply(message="refused")
+_REFUSED = wire.ErrorReply(message="refused", reason=wire.Refusal.REFUSED)
 _warned: set[str] = set()
 
 

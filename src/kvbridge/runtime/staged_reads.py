@@ -274,7 +274,7 @@ class StagedReads:
             answer = self._clients.get().exchange_all([target], msg)[0]
             if isinstance(answer, Exception):
                 raise answer
-            if first and isinstance(answer, wire.ErrorReply) and answer.message.endswith("busy"):
+            if first and isinstance(answer, wire.ErrorReply) and answer.reason is wire.Refusal.BUSY:
                 self.fallbacks += 1  # the prefill worker's slots are taken: read this part directly
                 self._direct(part, note)
                 return

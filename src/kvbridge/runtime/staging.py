@@ -137,20 +137,26 @@ class Stager:
                 session, why = self._open(key, msg, until)
                 if session is None:
                     self.refused += 1
-                    return wire.ErrorReply(message=f"stage refused: {why}")
+                    reason = wire.Refusal.BUSY if why == "busy" else wire.Refusal.STAGE
+                    return wire.ErrorReply(message=f"stage refused: {why}", reason=reason)
         with session.lock:
             if session.closed:
-                return wire.ErrorReply(message="stage refused: ended")
+                return wire.ErrorReply(message="stage refused: ended", reason=wire.Refusal.STAGE)
             session.until = max(session.until, until)
             session.released = max(session.released, min(msg.released, session.gathered))
             k = msg.chunk
             if k >= len(session.chunks):
-                return wire.ErrorReply(message=f"stage refused: chunk {k} of {len(session.chunks)}")
+                return wire.ErrorReply(
+                    message=f"stage refused: chunk {k} of {len(session.chunks)}", reason=wire.Refusal.STAGE
+                )
             if k + len(session.slots) < session.gathered:  # its slot holds a later chunk now
-                return wire.ErrorReply(message=f"stage refused: chunk {k} is gone")
+                return wire.ErrorReply(message=f"stage refused: chunk {k} is gone", reason=wire.Refusal.STAGE)
             while session.gathered <= k:
                 if not self._gather_next(session):
-                    return wire.ErrorReply(message=f"stage refused: chunk {k} before chunk {session.released} read")
+                    return wire.ErrorReply(
+                        message=f"stage refused: chunk {k} before chunk {session.released} read",
+                        reason=wire.Refusal.STAGE,
+                    )
             offset = self._offset(session, k)
         self._todo.put(session)  # gather the next chunk while this one is read
         return wire.Staged(

@@ -5,9 +5,11 @@ a decode server with another layout (TP=2 by default), both with kvbridge, on lo
 on CPU prepares its kernels on the first requests, which would make the first TTFT read like a hang: one short
 plain request to each server and one short disaggregated request, not timed); sends a handful of prompts
 through the PD protocol (prefill leg with max_tokens=1 and do_remote_decode, decode leg with the returned
-kv_transfer_params), and prints one row per request: prompt tokens, TTFT, KV bytes moved and transfer time (from
-the decode server's kvbridge metrics), and whether the output equals a non-disaggregated run. It ends with one
-summary line: requests, how many equal the aggregated run, median TTFT, KV moved in all and its rate.
+kv_transfer_params), and prints one row per request: prompt tokens, TTFT, KV bytes moved, and from the decode
+server's kvbridge metrics the load's claim wait, its KV hop (claim sent -> data landed) and its wire time (posting
+the READs -> data landed), and whether the output equals a non-disaggregated run. It ends with one summary line:
+requests, how many equal the aggregated run, median TTFT, KV moved in all, the median claim wait and KV hop, and
+the wire rate (bytes over wire time only).
 Every process it started is stopped on success, failure and Ctrl-C.
 
 Both servers share a deployment key, so their side channels answer only each other: a fresh random key in a
@@ -25,6 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from kvbridge.core.topology import ParallelLayout
 from kvbridge.serving.launcher import (
@@ -113,20 +116,28 @@ def _wait_all(servers: list[VllmServer], timeout: float) -> None:
         raise errors[0]
 
 
-def _kv_metrics(url: str) -> tuple[float, float, float]:
+PHASES = ("claim", "hop", "post", "wire")
+"""The load phases a row shows (vllm:kvbridge_load_phase_seconds): claim sent -> granted, claim sent -> data
+landed, and the wire time: posting the READs (with CMA on one host the copy runs inside the post) plus posted ->
+data landed."""
+
+
+def _kv_metrics(url: str) -> tuple[float, ...]:
+    """(KV bytes, loads, then each of PHASES' seconds summed over the decode workers' loads)."""
     m = metrics(url)
+    name = "vllm:kvbridge_load_phase_seconds"
     return (
         metric_sum(m, "vllm:kvbridge_bytes_total"),
-        metric_sum(m, "vllm:kvbridge_transfer_seconds_sum"),
-        metric_sum(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
+        metric_sum(m, f"{name}_count", phase="wire"),
+        *(metric_sum(m, f"{name}_sum", phase=phase) for phase in PHASES),
     )
 
 
-def _wait_metrics(url: str, before: tuple[float, float, float], timeout: float = 5.0) -> tuple[float, float, float]:
+def _wait_metrics(url: str, before: tuple[float, ...], timeout: float = 5.0) -> tuple[float, ...]:
     """vLLM publishes connector stats with the engine's periodic stats: wait for them to move."""
     deadline = time.monotonic() + timeout
     now = _kv_metrics(url)
-    while now[0] == before[0] and time.monotonic() < deadline:
+    while (now[0] == before[0] or now[1] == before[1]) and time.monotonic() < deadline:
         time.sleep(0.2)
         now = _kv_metrics(url)
     return now
@@ -147,15 +158,39 @@ def _warm_up(prefill: VllmServer, decode: VllmServer, rng: random.Random) -> flo
     return time.monotonic() - start
 
 
-def summary(rows: list[tuple[float, float, float, bool]]) -> str:
-    """The closing line, from each timed request's (TTFT s, KV bytes moved, transfer s, output equal)."""
-    ttft = statistics.median(r[0] for r in rows) if rows else 0.0
-    moved, xfer_s = sum(r[1] for r in rows), sum(r[2] for r in rows)
-    equal = sum(r[3] for r in rows)
-    rate = moved / xfer_s / 1e9 if xfer_s > 0 else 0.0
+class Row(NamedTuple):
+    """One timed request: TTFT, KV bytes moved (all decode workers), and per decode worker's load (its mean over
+    the workers, which read in parallel) the claim wait, the KV hop and the wire time, in seconds."""
+
+    ttft_s: float
+    moved: float
+    claim_s: float
+    hop_s: float
+    wire_s: float  # posting the READs -> data landed
+    equal: bool
+
+    @property
+    def wire_rate(self) -> float:
+        """GB/s over the wire time only (the workers read their shares in parallel)."""
+        return self.moved / self.wire_s / 1e9 if self.wire_s > 0 else 0.0
+
+
+def summary(rows: list[Row]) -> str:
+    """The closing line: medians of TTFT, claim wait and KV hop; KV moved in all and the wire rate (bytes over
+    wire time only: READs posted -> data landed, so claims, queues and vLLM's steps are not in it)."""
+
+    def median(values) -> float:
+        values = list(values)
+        return statistics.median(values) if values else 0.0
+
+    moved, wire_s = sum(r.moved for r in rows), sum(r.wire_s for r in rows)
+    equal = sum(r.equal for r in rows)
+    rate = moved / wire_s / 1e9 if wire_s > 0 else 0.0
+    ttft, claim, hop = (1000 * median(getattr(r, k) for r in rows) for k in ("ttft_s", "claim_s", "hop_s"))
     line = (
-        f"summary: {len(rows)} requests, {equal} of {len(rows)} equal the aggregated run, median TTFT "
-        f"{1000 * ttft:.1f} ms, {moved / 2**20:.2f} MiB of KV moved at {rate:.2f} GB/s"
+        f"summary: {len(rows)} requests, {equal} of {len(rows)} equal the aggregated run, median TTFT {ttft:.1f} ms, "
+        f"{moved / 2**20:.2f} MiB of KV moved, median claim wait {claim:.2f} ms, median KV hop {hop:.2f} ms, "
+        f"wire rate {rate:.2f} GB/s (wire time only)"
     )
     return line if equal == len(rows) else line + "; SOME OUTPUTS DIFFER"
 
@@ -189,11 +224,13 @@ def _run(args: argparse.Namespace, key_file: Path | None) -> int:
         print("warming up both servers (vLLM prepares its kernels on the first requests; not timed) ...", flush=True)
         print(f"warmed up in {_warm_up(prefill, decode, random.Random(1)):.1f} s\n", flush=True)
         rng = random.Random(0)
-        header = f"{'req':>3} {'prompt':>6} {'TTFT ms':>8} {'prefill ms':>10} {'KV MiB':>7} {'xfer ms':>8} {'GB/s':>6}"
-        header += "  output = aggregated"
+        header = (
+            f"{'req':>3} {'prompt':>6} {'TTFT ms':>8} {'prefill ms':>10} {'KV MiB':>7} {'claim ms':>8} {'hop ms':>7} "
+            f"{'wire ms':>7} {'GB/s':>6}  output = aggregated"
+        )
         print(header)
         print("-" * len(header))
-        rows: list[tuple[float, float, float, bool]] = []
+        rows: list[Row] = []
         for i in range(args.requests):
             prompt = [rng.randrange(1, 1000) for _ in range(rng.randrange(64, 700))]
             before = _kv_metrics(decode.url)
@@ -205,22 +242,27 @@ def _run(args: argparse.Namespace, key_file: Path | None) -> int:
             )
             ttft = prefill_s + first_token_s
             after = _wait_metrics(decode.url, before)
-            moved, xfer_s = after[0] - before[0], after[1] - before[1]
+            moved, loads = after[0] - before[0], max(1.0, after[1] - before[1])
+            claim_s, hop_s, post_s, wire_s = ((a - b) / loads for a, b in zip(after[2:], before[2:], strict=True))
+            wire_s += post_s
             reference = complete(prefill.url, prompt, args.max_tokens)["choices"][0]["token_ids"]
-            equal = tokens == reference
-            rows.append((ttft, moved, xfer_s, equal))
-            gbps = moved / xfer_s / 1e9 if xfer_s > 0 else 0.0
+            row = Row(ttft, moved, claim_s, hop_s, wire_s, tokens == reference)
+            rows.append(row)
             print(
                 f"{i:>3} {len(prompt):>6} {1000 * ttft:>8.1f} {1000 * prefill_s:>10.1f} {moved / 2**20:>7.2f} "
-                f"{1000 * xfer_s:>8.2f} {gbps:>6.2f}  {'yes' if equal else 'NO'}",
+                f"{1000 * claim_s:>8.2f} {1000 * hop_s:>7.2f} {1000 * wire_s:>7.2f} {row.wire_rate:>6.2f}  "
+                f"{'yes' if row.equal else 'NO'}",
                 flush=True,
             )
         print(
-            "\nTTFT = prefill leg + decode leg to its first token; KV MiB and xfer ms: the decode server's "
-            "vllm:kvbridge_bytes_total and vllm:kvbridge_transfer_seconds (summed over its workers)."
+            "\nTTFT = prefill leg + decode leg to its first token. From the decode server's kvbridge metrics: KV MiB "
+            "(vllm:kvbridge_bytes_total, all workers); per worker's load (mean over the workers, which read in "
+            "parallel) claim ms (claim sent -> granted), hop ms (claim sent -> data landed) and wire ms (READs "
+            "posted, with CMA the copy itself, -> data landed) from vllm:kvbridge_load_phase_seconds; GB/s = KV MiB "
+            "over wire ms."
         )
         print(summary(rows), flush=True)
-        return 0 if all(r[3] for r in rows) else 1
+        return 0 if all(r.equal for r in rows) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

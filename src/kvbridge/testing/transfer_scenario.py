@@ -221,6 +221,7 @@ def _decode_main(scenario, rank, config, source, results, warm_barrier):
         seconds: list[float] = []
         post_seconds: list[float] = []
         gpu_seconds: list[float] = []
+        phases: dict[str, list[float]] = {}  # per load, in completion order: its timeline (decode_worker.PHASES)
         nbytes = descriptors = 0
         deadline = t0 + 60
         ids = request_ids(scenario)
@@ -245,6 +246,8 @@ def _decode_main(scenario, rank, config, source, results, warm_barrier):
             seconds += s.seconds
             post_seconds += s.post_seconds
             gpu_seconds += s.gpu_seconds
+            for name, values in s.phases.items():
+                phases.setdefault(name, []).extend(values)
             nbytes, descriptors = nbytes + s.bytes, descriptors + s.descriptors
             time.sleep(0.0002)
         warm_end = time.monotonic()
@@ -271,6 +274,7 @@ def _decode_main(scenario, rank, config, source, results, warm_barrier):
                 "transfer_times_s": seconds,
                 "post_times_s": post_seconds,
                 "gpu_times_s": gpu_seconds,
+                "phases_s": phases,
                 "path": "cuda-ipc" if worker.reads_through_ipc(source) else "nixl",
                 "elapsed_s": elapsed,
                 "warm_s": warm_s,  # from the first load done to the last: repeats - 1 loads

@@ -17,8 +17,9 @@ class KVBridgeMetadata(KVConnectorMetadata):
     releases: list[LoadJob] = field(default_factory=list)
     """Decode side: requests gone before they read (aborted): only tell the prefill side to free."""
 
-    holds: list[tuple[str, tuple[tuple[int, ...], ...], str, str]] = field(default_factory=list)
-    """Prefill side: finished requests (id, block ids, token, prompt hash) whose blocks stay held for readers."""
+    holds: list[tuple[str, tuple[tuple[int, ...], ...], str, str, float]] = field(default_factory=list)
+    """Prefill side: finished requests (id, block ids, token, prompt hash, when it finished: time.monotonic) whose
+    blocks stay held for readers."""
 
     idle: bool = False
     """No tokens scheduled this step. vLLM steps continuously while loads are pending: on an idle step a decode

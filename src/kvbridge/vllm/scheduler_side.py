@@ -373,5 +373,7 @@ class SchedulerSide:
         if self.key is not None:
             done = done.signed(self.key)
         held = tuple(tuple(ids) for ids in done.group_block_ids)  # per group, as decode workers claim them
-        self._meta.holds.append((request.request_id, held, done.remote_token, done.remote_prompt_hash))
+        self._meta.holds.append(
+            (request.request_id, held, done.remote_token, done.remote_prompt_hash, time.monotonic())
+        )
         return True, done.to_dict()

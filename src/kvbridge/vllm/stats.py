@@ -10,15 +10,37 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvbridge.runtime.decode_worker import TransferStats
 
-_COUNTERS = ("transfers", "failures", "bytes", "descriptors", "expired_leases", "aborted_leases", "refused_messages")
+_COUNTERS = (
+    "transfers",
+    "failures",
+    "bytes",
+    "descriptors",
+    "expired_leases",
+    "aborted_leases",
+    "refused_messages",
+    "claim_retries",
+)
 _REASONS = "rejected_params"  # {reason: count}: kv_transfer_params refused before any load (scheduler side)
 
 
 _LISTS = ("seconds", "post_seconds")  # per load: to completion, and to the READs posted (kernels queued)
+_PHASES = "phases"  # {phase: [seconds per load]}: a decode load's timeline (decode_worker.PHASES)
+_HOLD_PHASES = "hold_phases"  # {phase: [seconds per request]}: a prefill request's timeline (HOLD_PHASES)
+HOLD_PHASES = ("hold", "claim", "release")
+"""A held prefill request's timeline: request finished -> hold registered (`hold`) -> first claim answered
+(`claim`) -> released (`release`: read, aborted or expired)."""
+BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
 def _empty() -> dict[str, Any]:
-    return {**dict.fromkeys(_COUNTERS, 0), **{key: [] for key in _LISTS}, _REASONS: {}}
+    return {**dict.fromkeys(_COUNTERS, 0), **{key: [] for key in _LISTS}, _REASONS: {}, _PHASES: {}, _HOLD_PHASES: {}}
+
+
+def _merge_lists(into: dict[str, list[float]], more: dict[str, list[float]]) -> dict[str, list[float]]:
+    out = {name: list(values) for name, values in into.items()}
+    for name, values in more.items():
+        out.setdefault(name, []).extend(values)
+    return out
 
 
 @dataclass
@@ -30,8 +52,16 @@ class KVBridgeStats(KVConnectorStats):
         self.data["failures"] += stats.failures
         self.data["bytes"] += stats.bytes
         self.data["descriptors"] += stats.descriptors
+        self.data["claim_retries"] = self.data.get("claim_retries", 0) + stats.claim_retries
         for key in _LISTS:
             self.data[key].extend(getattr(stats, key))
+        self.data[_PHASES] = _merge_lists(self.data.get(_PHASES, {}), stats.phases)
+
+    def record_holds(self, timelines: list[tuple[float, float, float]]) -> None:
+        """Prefill side: each released request's (hold, claim, release) seconds."""
+        if timelines:
+            phases = {name: [t[i] for t in timelines] for i, name in enumerate(HOLD_PHASES)}
+            self.data[_HOLD_PHASES] = _merge_lists(self.data.get(_HOLD_PHASES, {}), phases)
 
     def record_expired(self, count: int) -> None:
         self.data["expired_leases"] += count
@@ -52,6 +82,8 @@ class KVBridgeStats(KVConnectorStats):
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
         for key in _LISTS:
             self.data[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
+        for key in (_PHASES, _HOLD_PHASES):
+            self.data[key] = _merge_lists(self.data.get(key, {}), other.data.get(key, {}))
         merged = dict(self.data.get(_REASONS, {}))
         for reason, count in other.data.get(_REASONS, {}).items():
             merged[reason] = merged.get(reason, 0) + count
@@ -70,12 +102,20 @@ class KVBridgeStats(KVConnectorStats):
         posts = self.data.get("post_seconds", [])
         if posts:
             out["avg_post_ms"] = round(1000 * sum(posts) / len(posts), 3)
+        for prefix, key in (("load", _PHASES), ("hold", _HOLD_PHASES)):
+            for name, values in sorted(self.data.get(key, {}).items()):
+                if values:
+                    out[f"avg_{prefix}_{name}_ms"] = round(1000 * sum(values) / len(values), 3)
         for reason, count in sorted(self.data.get(_REASONS, {}).items()):
             out[f"rejected_params[{reason}]"] = count
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in _COUNTERS) and not self.data.get(_REASONS)
+        return (
+            not any(self.data.get(key) for key in _COUNTERS)
+            and not self.data.get(_REASONS)
+            and not any(self.data.get(_HOLD_PHASES, {}).values())
+        )
 
 
 _PROM_COUNTERS = {
@@ -86,6 +126,7 @@ _PROM_COUNTERS = {
     "expired_leases": "Prefill requests whose blocks were freed because their lease expired before all readers.",
     "aborted_leases": "Prefill requests freed at once because their reader (or the proxy) aborted the read.",
     "refused_messages": "Claims, notifications and aborts refused: no such held request, or a wrong token.",
+    "claim_retries": "Claims refused at once as not held and sent again (a claim normally waits for its hold).",
 }
 
 
@@ -93,7 +134,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     """kvbridge's counters and histograms on vLLM's /metrics, per engine:
 
     vllm:kvbridge_transfers_total, vllm:kvbridge_bytes_total, vllm:kvbridge_descriptors_total,
-    vllm:kvbridge_failures_total, vllm:kvbridge_expired_leases_total, vllm:kvbridge_transfer_seconds.
+    vllm:kvbridge_failures_total, vllm:kvbridge_expired_leases_total, vllm:kvbridge_claim_retries_total,
+    vllm:kvbridge_transfer_seconds (a load's KV hop: claim sent -> data landed),
+    vllm:kvbridge_load_phase_seconds{phase} (decode: handshake, claim, queue, post, wire, report, hop, total) and
+    vllm:kvbridge_hold_phase_seconds{phase} (prefill: hold, claim, release).
     """
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
@@ -108,8 +152,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self.seconds = create_metric_per_engine(
             self._histogram_cls(
                 name="vllm:kvbridge_transfer_seconds",
-                documentation="Time from posting a request's reads to their completion, per decode worker.",
-                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+                documentation="A load's KV hop, per decode worker: from its claim sent to its data landed in its "
+                "blocks (a load without a claim: from its handshake done).",
+                buckets=BUCKETS,
                 labelnames=labelnames,
             ),
             per_engine_labelvalues,
@@ -120,6 +165,22 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             "prefilled locally, or failed under kv_load_failure_policy=fail).",
             labelnames=[*labelnames, "reason"],
         )
+        self._phases = self._histogram_cls(
+            name="vllm:kvbridge_load_phase_seconds",
+            documentation="A decode load's timeline, per phase: handshake (queued -> handshake done), claim (-> "
+            "granted), queue (-> taken by its path), post (-> READs posted or kernels queued: the host's work; with "
+            "CMA the copy itself), wire (-> data landed), report (-> handed to vLLM); hop (claim sent -> data "
+            "landed), total (queued -> handed to vLLM).",
+            buckets=BUCKETS,
+            labelnames=[*labelnames, "phase"],
+        )
+        self._hold_phases = self._histogram_cls(
+            name="vllm:kvbridge_hold_phase_seconds",
+            documentation="A held prefill request's timeline, per phase: hold (request finished -> hold "
+            "registered on the worker), claim (-> first claim answered), release (-> blocks freed).",
+            buckets=BUCKETS,
+            labelnames=[*labelnames, "phase"],
+        )
         self._engine_labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -127,7 +188,13 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(key, 0)
             if value:
                 metric[engine_idx].inc(value)
-        for seconds in transfer_stats_data.get("seconds", ()):
+        for seconds in transfer_stats_data.get(_PHASES, {}).get("hop", ()):
             self.seconds[engine_idx].observe(seconds)
+        labels = self._engine_labels[engine_idx]
+        for key, metric in ((_PHASES, self._phases), (_HOLD_PHASES, self._hold_phases)):
+            for phase, values in transfer_stats_data.get(key, {}).items():
+                child = metric.labels(*labels, phase)
+                for seconds in values:
+                    child.observe(seconds)
         for reason, count in transfer_stats_data.get(_REASONS, {}).items():
             self._rejected.labels(*self._engine_labels[engine_idx], reason).inc(count)

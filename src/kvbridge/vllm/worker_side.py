@@ -173,8 +173,8 @@ class WorkerSide:
             for job in (*meta.loads, *meta.releases):
                 self.decode.load(job)
         if self.prefill is not None:
-            for request_id, block_ids, token, phash in meta.holds:
-                self.prefill.hold(request_id, block_ids, token, phash)
+            for request_id, block_ids, token, phash, finished_at in meta.holds:
+                self.prefill.hold(request_id, block_ids, token, phash, finished_at)
 
     def transfer_results(self, wait: bool = False) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets.
@@ -193,6 +193,7 @@ class WorkerSide:
             self.stats.record_expired(expired)
             counts = self.prefill.lease_counts()
             self.stats.record_leases(counts["aborted"] - self._aborted, counts["refused"] - self._refused)
+            self.stats.record_holds(self.prefill.take_phases())
             self._aborted, self._refused = counts["aborted"], counts["refused"]
         if self.decode is not None:
             done, failed, stats = self.decode.results(self.config.idle_wait_s if wait else 0.0)

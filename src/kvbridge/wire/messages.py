@@ -23,6 +23,7 @@ with itself.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -481,6 +482,10 @@ class Claim(_Message, tag="claim", kw_only=True):
     group_block_ids: Annotated[
         tuple[Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=1 << 16)], ...], msgspec.Meta(max_length=64)
     ] = ()
+    wait_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
+    """How long the prefill worker may keep the claim of a request it does not hold yet, answering it once the hold
+    comes (it learns of a hold one engine step after the client got the params): the reader waits on that answer
+    instead of retrying. 0: answer at once (and an older prefill worker always answers at once)."""
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -558,10 +563,35 @@ class Ack(_Message, tag="ack", kw_only=True):
     epoch: str = ""
 
 
+class Refusal(enum.Enum):
+    """Why a prefill worker refused a per-request message: the typed `reason` of an `ErrorReply`, which a reader
+    acts on (`message` is for people and logs). An older peer sends none (`ErrorReply.reason` None)."""
+
+    NOT_HELD = "not_held"
+    """Claim: no such request held here with that token (unknown, freed, lapsed; or its hold did not come within
+    the claim's wait)."""
+    MISMATCH = "mismatch"
+    """Claim: the prompt hash, the blocks or their order are not the request's."""
+    OTHER_READER = "other_reader"
+    """Claim: another decode engine claimed the request."""
+    NOT_CLAIMED = "not_claimed"
+    """Stage: the reader holds no claim of the request (or the blocks are not the request's)."""
+    BUSY = "busy"
+    """Stage: the staging slots are taken: read this part directly."""
+    STAGE = "stage"
+    """Stage: the session ended, or the chunk is out of range or no longer staged."""
+    REFUSED = "refused"
+    """Notify, Abort: no such request held here, or a wrong token (says nothing more to one without it)."""
+    UNEXPECTED = "unexpected"
+    """A message this side channel does not answer."""
+
+
 class ErrorReply(_Message, tag="error", kw_only=True):
-    """The answer to a message that could not be decoded or handled; `message` says why."""
+    """The answer to a message that could not be decoded or handled; `message` says why, `reason` (a refusal of a
+    per-request message) says it in a form a reader acts on."""
 
     message: str
+    reason: Refusal | None = None
 
 
 Message = (

@@ -20,6 +20,7 @@ server takes, an answer a client takes, messages queued per peer).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -72,8 +73,37 @@ Identity = tuple[str, int, int, int]
 """A prefill worker's identity a sealed request is bound to: (engine id, dp rank, pp rank, tp rank)."""
 NO_IDENTITY: Identity = ("", 0, 0, 0)
 
-Handler = Callable[[wire.Message], wire.Message]
-"""Answers one decoded message; called on the server's thread. May raise: the peer then gets an error."""
+
+class Later:
+    """An answer given later: a handler returns one when it cannot answer yet (a claim of a request whose hold has
+    not come), and whoever learns the answer calls `give` from any thread; the server's thread sends it at once.
+    The handler's owner answers every Later it made within the time the client waits (a bounded number of them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sink: Callable[[wire.Message], None] | None = None
+        self._answer: wire.Message | None = None
+
+    def give(self, message: wire.Message) -> None:
+        """Answer now (the first answer counts; later ones are ignored)."""
+        with self._lock:
+            if self._answer is not None:
+                return
+            self._answer, sink = message, self._sink
+        if sink is not None:
+            sink(message)
+
+    def bind(self, sink: Callable[[wire.Message], None]) -> None:
+        """Where the answer goes (the server, once it knows the envelope); an answer given already goes now."""
+        with self._lock:
+            self._sink, answer = sink, self._answer
+        if answer is not None:
+            sink(answer)
+
+
+Handler = Callable[[wire.Message], "wire.Message | Later"]
+"""Answers one decoded message, now or `Later`; called on the server's thread. May raise: the peer then gets an
+error."""
 
 
 # --- addresses --------------------------------------------------------------------------------------------
@@ -128,13 +158,16 @@ def handshake_handler(reply: wire.HandshakeReply, on_message: Handler | None = N
             case _ if on_message is not None:
                 return on_message(message)
             case _:
-                return wire.ErrorReply(message=f"this side channel does not handle {type(message).__name__}")
+                return wire.ErrorReply(
+                    message=f"this side channel does not handle {type(message).__name__}",
+                    reason=wire.Refusal.UNEXPECTED,
+                )
 
     return handle
 
 
-def respond(data: bytes, handler: Handler) -> bytes:
-    """The encoded answer to one received message; never raises.
+def respond(data: bytes, handler: Handler) -> bytes | Later:
+    """The encoded answer to one received message (or the handler's `Later`); never raises.
 
     Undecodable bytes get an ErrorReply, or a HandshakeRefused on protocol_version when they carry another
     version. A handler that raises IncompatiblePeerError refuses; any other exception becomes an ErrorReply.
@@ -148,7 +181,8 @@ def respond(data: bytes, handler: Handler) -> bytes:
             return wire.encode(wire.HandshakeRefused.from_error(refusal))
         return wire.encode(wire.ErrorReply(message=str(exc)))
     try:
-        return wire.encode(handler(message))
+        answer = handler(message)
+        return answer if isinstance(answer, Later) else wire.encode(answer)
     except IncompatiblePeerError as exc:
         return wire.encode(wire.HandshakeRefused.from_error(exc))
     except KVBridgeError as exc:
@@ -160,9 +194,10 @@ def respond(data: bytes, handler: Handler) -> bytes:
 
 def _answer_frames(
     frames: list[bytes], handler: Handler, sealer: Sealer | None = None, dest: bytes | int = 0
-) -> list[bytes] | None:
+) -> list[bytes] | tuple[Later, Callable[[bytes], list[bytes]]] | None:
     """The frames a ROUTER sends back for received `frames` (identity, [empty delimiter], body); None: send
-    nothing (with a key: the frame is not authentic, or a replay; `sealer.dropped` counts why)."""
+    nothing (with a key: the frame is not authentic, or a replay; `sealer.dropped` counts why). A handler's `Later`
+    comes back with what makes its frames from its encoded answer (the envelope, sealed for the same request)."""
     # A REQ peer (or a DEALER imitating one) puts an empty delimiter after its identity; a DEALER need not.
     split = 2 if len(frames) >= 3 and frames[1] == b"" else 1
     envelope, body = frames[:split], frames[split:]
@@ -175,11 +210,21 @@ def _answer_frames(
         data, ticket = opened
         if data is None:  # authentic but outside the window: tell its sender our clock, nothing else
             return [*envelope, sealer.seal_stale(ticket)]
-        return [*envelope, sealer.seal_answer(respond(data, handler), ticket)]
-    if len(body) != 1:
-        error = wire.ErrorReply(message=f"expected one message frame, got {len(body)}")
-        return [*envelope, wire.encode(error)]
-    return [*envelope, respond(body[0], handler)]
+
+        def framed(answer: bytes) -> list[bytes]:
+            return [*envelope, sealer.seal_answer(answer, ticket)]
+
+    else:
+        if len(body) != 1:
+            error = wire.ErrorReply(message=f"expected one message frame, got {len(body)}")
+            return [*envelope, wire.encode(error)]
+        data = body[0]
+
+        def framed(answer: bytes) -> list[bytes]:
+            return [*envelope, answer]
+
+    answer = respond(data, handler)
+    return (answer, framed) if isinstance(answer, Later) else framed(answer)
 
 
 # --- ZMQ shell --------------------------------------------------------------------------------------------
@@ -228,6 +273,8 @@ class SideChannelServer:
         self._stop = threading.Event()
         self._warned_at: float | None = None  # when dropped frames were last logged
         self.drop_warning_s = DROP_WARNING_S
+        self._later: collections.deque = collections.deque()  # (framing, message) of answers given later
+        self._wake_fds: tuple[int, int] | None = None  # a pipe that wakes the thread to send them
 
     @property
     def endpoint(self) -> str:
@@ -261,6 +308,8 @@ class SideChannelServer:
             self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._socket = sock
         self._stop.clear()
+        self._wake_fds = os.pipe()
+        os.set_blocking(self._wake_fds[1], False)
         monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._thread = threading.Thread(
             target=self._serve, args=(sock, monitor), name=f"kvbridge-side-channel-{self.port}", daemon=True
@@ -281,6 +330,17 @@ class SideChannelServer:
             logger.warning("side channel %s did not stop within %.1f s", self.endpoint, timeout_s)
             return
         sock.close(linger=0)
+        fds, self._wake_fds = self._wake_fds, None
+        for fd in fds or ():
+            os.close(fd)
+
+    def _send_later(self, framed: Callable[[bytes], list[bytes]], message: wire.Message) -> None:
+        """A `Later` was answered (any thread): queue it and wake the server's thread, which seals and sends it."""
+        self._later.append((framed, message))
+        fds = self._wake_fds
+        if fds is not None:
+            with contextlib.suppress(OSError):  # full (it is awake anyway) or closed (stopped)
+                os.write(fds[1], b"\0")
 
     def __enter__(self) -> SideChannelServer:
         self.start()
@@ -294,6 +354,8 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        if self._wake_fds is not None:
+            poller.register(self._wake_fds[0], zmq.POLLIN)
         timeout_ms = max(1, round(self.poll_interval_s * 1000))
         try:
             self._serve_until_stopped(sock, monitor, poller, timeout_ms)
@@ -310,6 +372,11 @@ class SideChannelServer:
                 ready = dict(poller.poll(timeout_ms))
                 if monitor in ready:
                     self._connection_events(monitor)
+                if self._wake_fds is not None and self._wake_fds[0] in ready:
+                    os.read(self._wake_fds[0], 4096)
+                while self._later:
+                    framed, message = self._later.popleft()
+                    self._send(sock, framed(wire.encode(message)))
                 if sock not in ready:
                     continue
                 # Drain what is queued, bounded so that a flood cannot delay a stop for long.
@@ -325,15 +392,22 @@ class SideChannelServer:
                         continue
                     if self.sealer is not None:  # an authenticated peer: its connection is cut last
                         self.connections.authenticated(_source_fd(raw[-1]))
-                    try:
-                        sock.send_multipart(answer, zmq.NOBLOCK)
-                    except zmq.Again:  # the peer's queue is full or it left: drop the answer
-                        logger.debug("side channel %s dropped an answer", self.endpoint)
+                    if isinstance(answer, tuple):  # answered later, from another thread
+                        later, framed = answer
+                        later.bind(lambda message, framed=framed: self._send_later(framed, message))
+                        continue
+                    self._send(sock, answer)
             except zmq.ContextTerminated:
                 return
             except zmq.ZMQError:
                 logger.exception("side channel %s: socket error", self.endpoint)
                 self._stop.wait(self.poll_interval_s)
+
+    def _send(self, sock: zmq.Socket, answer: list[bytes]) -> None:
+        try:
+            sock.send_multipart(answer, zmq.NOBLOCK)
+        except zmq.Again:  # the peer's queue is full or it left: drop the answer
+            logger.debug("side channel %s dropped an answer", self.endpoint)
 
     def _dropped(self) -> None:
         """A frame was dropped unanswered: say so, at most once every `drop_warning_s`, with the totals by reason
@@ -578,10 +652,13 @@ class SideChannelClient:
         targets: list[tuple[str, int]],
         message: wire.Message,
         identities: list[Identity] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> list[wire.Message | Exception]:
         """Send `message` to every (host, port) and return, in order, each one's answer, or the error that
         stands for it (TransferTimeout after `1 + retries` attempts of `timeout_s`, ProtocolError...).
-        `identities[i]`: the worker target i is (sealed requests are bound to it); default NO_IDENTITY."""
+        `identities[i]`: the worker target i is (sealed requests are bound to it); default NO_IDENTITY.
+        `while_waiting`: work to do once the first attempt is sent, before its answers are awaited (it must not
+        raise)."""
         payload = wire.encode(message)
         addresses = [endpoint(host, port) for host, port in targets]
         dests = {
@@ -612,6 +689,9 @@ class SideChannelClient:
                 except zmq.ZMQError as exc:
                     self._drop(address)
                     answers[address] = TransferError(f"cannot reach the side channel {address}: {exc}")
+            if while_waiting is not None:
+                while_waiting()
+                while_waiting = None
             poller = zmq.Poller()
             for sock in polling:
                 poller.register(sock, zmq.POLLIN)

@@ -1,0 +1,143 @@
+"""A claim that reaches a prefill worker before the request's hold waits for the hold, instead of being refused
+and retried: it is answered when the hold comes, with every check the claim makes anyway (token, prompt hash,
+blocks and their order), and refused as not held once its wait passed. The number kept waiting is bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.leases import blocks_digest
+from kvbridge.core.memory import synthesize_memory
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.runtime.prefill_worker import PrefillWorker
+from kvbridge.serving.launcher import free_base_port
+from kvbridge.wire import messages as wire
+from kvbridge.wire.auth import Sealer
+from kvbridge.wire.side_channel import exchange
+
+pytestmark = pytest.mark.nixl
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
+KEY = b"k" * 32
+P = ("p", 0, 0, 0)
+
+
+def make_prefill(key: bytes | None = None, **bounds) -> PrefillWorker:
+    kv = torch.zeros(1 << 16, dtype=torch.uint8)
+    memory = synthesize_memory("LBHNC", GEOMETRY, range(16), 2, 4, kv.data_ptr())
+    config = BridgeConfig(side_channel_port=free_base_port(1), **bounds)
+    identity = WorkerIdentity("p", ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY)
+    worker = PrefillWorker(identity, memory, config, key=key)
+    worker._kv = kv  # the registered memory lives as long as the worker
+    return worker.start()
+
+
+def claim(request_id: str = "r", token: str = "tok", wait_s: float = 2.0, blocks=(1, 2)) -> wire.Claim:
+    return wire.Claim(
+        request_id=request_id,
+        block_ids=blocks,
+        engine_id="d",
+        worker=wire.Worker(),
+        token=token,
+        prompt_hash="h",
+        blocks_digest=blocks_digest(blocks),
+        wait_s=wait_s,
+    )
+
+
+def ask(worker: PrefillWorker, message: wire.Claim, out: list, key: bytes | None = None) -> threading.Thread:
+    """Send `message` on a thread of its own; its (answer, seconds) lands in `out`."""
+    sealer = Sealer(key) if key else None
+
+    def run() -> None:
+        t0 = time.monotonic()
+        answer = exchange("127.0.0.1", worker.port, message, timeout_s=5, retries=0, sealer=sealer, identity=P)
+        out.append((answer, time.monotonic() - t0))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["no-key", "sealed"])
+def test_a_claim_before_its_hold_is_granted_when_the_hold_comes(key):
+    worker = make_prefill(key)
+    try:
+        out: list = []
+        thread = ask(worker, claim(), out, key)
+        time.sleep(0.3)  # the claim is waiting on the worker now
+        assert not out
+        held_at = time.monotonic()
+        worker.hold("r", ((1, 2),), token="tok", prompt_hash="h", finished_at=held_at - 0.01)
+        thread.join(5)
+        answer, _ = out[0]
+        assert answer == wire.Ack(request_id="r", epoch=worker.epoch)
+        assert time.monotonic() - held_at < 0.2  # answered at the hold, not at a poll
+        abort = wire.Abort(request_id="r", engine_id="d", worker=wire.Worker(), token="tok")
+        sealer = Sealer(key) if key else None
+        assert isinstance(exchange("127.0.0.1", worker.port, abort, timeout_s=5, sealer=sealer, identity=P), wire.Ack)
+        deadline = time.monotonic() + 5
+        while "r" not in worker.finished()[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (hold, claimed, _released), *_ = worker.take_phases()
+        assert 0.005 < hold < 0.1 and claimed < 0.05  # finished -> held; held -> claim answered (it was waiting)
+    finally:
+        worker.close()
+
+
+def test_a_waiting_claim_gets_every_check_of_a_claim():
+    """Waiting gives nothing away: a claim with a wrong token, or other blocks, is refused when the hold comes,
+    with the reason a claim after the hold gets."""
+    worker = make_prefill()
+    try:
+        out: list = []
+        threads = [ask(worker, claim(token="guess"), out), ask(worker, claim(blocks=(2, 1)), out)]
+        time.sleep(0.3)
+        worker.hold("r", ((1, 2),), token="tok", prompt_hash="h")
+        for thread in threads:
+            thread.join(5)
+        reasons = sorted(a.reason.value for a, _ in out)
+        assert reasons == ["mismatch", "not_held"]
+        assert all(isinstance(a, wire.ErrorReply) for a, _ in out)
+        # the control: the right claim after the hold is granted
+        assert isinstance(exchange("127.0.0.1", worker.port, claim(), timeout_s=5), wire.Ack)
+    finally:
+        worker.close()
+
+
+def test_a_claim_whose_hold_never_comes_is_refused_as_not_held_after_its_wait():
+    worker = make_prefill()
+    try:
+        out: list = []
+        ask(worker, claim(wait_s=0.3), out).join(5)
+        answer, took = out[0]
+        assert isinstance(answer, wire.ErrorReply) and answer.reason is wire.Refusal.NOT_HELD
+        assert 0.25 < took < 1.0
+        assert worker.lease_counts()["refused"] == 1
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("kept", [0, 1])
+def test_the_waiting_claims_are_bounded(kept):
+    """Beyond `max_waiting_claims` a claim of an unknown request is refused at once (a forged flood costs at most
+    that many entries); 0 turns waiting off."""
+    worker = make_prefill(max_waiting_claims=kept)
+    try:
+        out: list = []
+        first = ask(worker, claim("a", wait_s=1.0), out)
+        time.sleep(0.2)
+        second: list = []
+        ask(worker, claim("b", wait_s=1.0), second).join(5)
+        answer, took = second[0]
+        assert answer.reason is wire.Refusal.NOT_HELD and took < 0.2  # refused at once
+        first.join(5)
+        assert out[0][1] > 0.9 if kept else out[0][1] < 0.2
+    finally:
+        worker.close()
