@@ -337,6 +337,10 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     staging_slot_bytes: NonNegative = 0
     """The largest chunk it stages at once (a slot of `staging`); 0: no staged path."""
 
+    started: float = 0.0
+    """Unix time the worker started (0: not said). kv_transfer_params issued before it (`remote_issued`) are of an
+    earlier run of the engine on this address and are refused unread."""
+
     def __post_init__(self) -> None:
         _check_worker(self)
         _page_format(self.memory.layers)
@@ -359,6 +363,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         epoch: str = "",
         staging: mem.Region | None = None,
         staging_slot_bytes: int = 0,
+        started: float = 0.0,
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -374,6 +379,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             epoch=epoch,
             staging=None if staging is None else Region.from_core(staging),
             staging_slot_bytes=staging_slot_bytes,
+            started=started,
         )
 
     def page_format(self) -> tuple[int, int]:

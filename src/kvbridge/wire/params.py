@@ -29,6 +29,8 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
                         this prompt's and no other's
     remote_token        the request's secret: claims, notifications and aborts must carry it
     remote_expires      unix time after which the prefill no longer holds the blocks for an unclaimed read
+    remote_issued       unix time the prefill issued the params (kvbridge): a decode refuses them unread if the
+                        prefill worker it reaches started later (a restart on the same address: a new epoch)
     kvbridge_sig        HMAC of all the above with the deployment key (absent without a key)
 
 A decode instance loads the KV only for a request whose prompt (its first N-1 tokens with state) has
@@ -90,6 +92,9 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     remote_group_block_ids: list[list[BlockId]] = []
     remote_block_size: NonNegative = 0
     """Tokens per prefill block (kvbridge); 0 from older prefill instances: the decode's own."""
+    remote_issued: float = 0.0
+    """Unix time the prefill issued these params (kvbridge; 0: not said): params older than the start of the
+    prefill worker a decode reaches are of an earlier run of that engine, and are refused unread."""
 
     @property
     def layout(self) -> ParallelLayout:
