@@ -148,3 +148,10 @@ def test_serve_refuses_a_keyless_side_channel_beyond_loopback_up_front(monkeypat
     serve_spec("--role", "decode", "--insecure-no-key", *wide)
     serve_spec("--role", "prefill", "--insecure-no-key")
     serve_spec("--role", "prefill", *wide)  # the user's key file
+
+
+def test_serve_recomputes_failed_loads_by_default_and_a_flag_keeps_fail(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert serve_spec().kv_transfer_config()["kv_load_failure_policy"] == "recompute"
+    spec = serve_spec("--kv-load-failure-policy", "fail")
+    assert spec.kv_transfer_config()["kv_load_failure_policy"] == "fail"

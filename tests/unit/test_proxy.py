@@ -369,6 +369,7 @@ def test_serve_dry_run_prints_command_and_environment(tmp_path):
         "kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "kvbridge.vllm",
         "kv_role": "kv_producer",
+        "kv_load_failure_policy": "recompute",  # serve's default: a failed load costs latency, not the request
         "kv_connector_extra_config": {
             "handshake_retries": 3,
             "side_channel_port": 6000,

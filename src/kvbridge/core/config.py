@@ -41,11 +41,14 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lease_s: Seconds = 60.0
     """How long a prefill instance holds a finished request's blocks for decode readers before freeing them."""
 
-    handshake_timeout_s: Seconds = 5.0
-    """Per attempt, for fetching a prefill worker's handshake over the side channel."""
+    handshake_timeout_s: Seconds = 1.0
+    """Decode side: the answer deadline of one side-channel attempt (handshake, claim, notification). A peer that
+    refuses the connection (its process is gone) fails the message at once, whatever the deadline; one that stays
+    silent (a stopped process, a host or link down) fails it after `(1 + handshake_retries) * handshake_timeout_s`
+    (2 s by default), and its engine is then known dead for dead_engine_s."""
 
-    handshake_retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 2
-    """Further attempts after a handshake attempt times out."""
+    handshake_retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 1
+    """Further attempts after a side-channel attempt timed out or its connection was reset (not after a refusal)."""
 
     transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 25.0
     """A load not complete this long after it was queued fails (and follows kv_load_failure_policy). It is also
@@ -228,8 +231,9 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cached transfer plans and, times four, the engines remembered as dead."""
 
     dead_engine_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
-    """Decode side: after a handshake to an engine failed, loads naming it fail at once for this long instead of
-    each waiting out the handshake timeouts (0: every load tries again)."""
+    """Decode side: after a handshake to an engine failed, or a claim found its worker gone or silent, loads naming
+    it fail at once for this long instead of each waiting out the deadlines; the first load after that connects
+    again (0: every load tries again)."""
 
     claim_window_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 2.0
     """How long a claim of a request not held yet may wait for its hold (the prefill side learns of a hold one

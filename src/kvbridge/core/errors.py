@@ -6,7 +6,8 @@
     ├── IncompatiblePeerError          a handshake with a peer whose KV cannot be read as ours
     ├── ProtocolError                  a malformed, truncated or unknown wire message
     ├── TransferError                  a NIXL transfer failed or its peer vanished
-    │   └── TransferTimeout            a transfer or handshake did not finish in time
+    │   ├── TransferTimeout            a transfer or handshake did not finish in time
+    │   └── PeerGone                   the peer's process is gone: its port refused or reset the connection
     └── RequestParamsError(ValueError) bad kv_transfer_params from a client
         └── ParamsRefused              params that are well-formed but not this request's to load (`reason`)
 
@@ -50,13 +51,19 @@ class TransferTimeout(TransferError):
     """A transfer or handshake did not complete within its deadline."""
 
 
+class PeerGone(TransferError):
+    """The peer's process is gone: its side channel refused the connection, or reset it and then refused a new
+    one. Known at once, so no deadline is waited out for it."""
+
+
 class RequestParamsError(KVBridgeError, ValueError):
     """The kv_transfer_params of a request are missing fields or hold wrong values."""
 
 
 class ParamsRefused(RequestParamsError):
     """kv_transfer_params that must not be loaded for this request; `reason` is the metric label
-    (bad_signature, unsigned, expired, replayed, prompt_length, prompt_hash, layout, blocks, address, malformed)."""
+    (bad_signature, unsigned, expired, replayed, prompt_length, prompt_hash, layout, blocks, address, malformed;
+    epoch: issued before the prefill worker started, refused by a decode worker)."""
 
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason

@@ -49,7 +49,7 @@ from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.nixl_reads import NixlReads
-from kvbridge.runtime.peers import Engine, PeerBook, address, engine_key, identity
+from kvbridge.runtime.peers import Engine, PeerBook, address, check_run, engine_key, identity
 from kvbridge.runtime.read_budget import ReadBudget, block_bytes
 from kvbridge.runtime.stream_reads import StreamReads
 from kvbridge.transport.nixl import Backoff, MemType
@@ -317,8 +317,13 @@ class DecodeWorker:
             self.peers.begin(engine)
             load.begun = True
             load.read_ranks = self._ranks_read(load, engine)
+            check_run(load.job.source, engine, load.read_ranks)
             if self.config.verify_requests and load.job.num_blocks and load.read_ranks:
-                stale = self._claim(load, engine)
+                try:
+                    stale = self._claim(load, engine)
+                except TransferError as exc:  # gone (refused) or silent past the deadline: not worth a wait again
+                    self.peers.mark_dead(engine, str(exc))
+                    raise
                 if stale:
                     self.peers.drop(engine, f"worker {stale} restarted (new epoch)")
                     self.peers.end(engine)

@@ -6,9 +6,10 @@ connected wait on one shared future rather than each on a thread. A reply must c
 name (engine id, the worker the address belongs to, the NIXL agent its metadata loads as); the cache holds at most
 `max_cached_engines` engines (config; least recently used first out), an engine whose handshake failed is refused
 at once for `dead_engine_s` (the next requests to a dead prefill fail fast instead of each waiting out the
-timeouts), and an engine whose worker restarted (a claim's Ack carries another epoch) is dropped and handshaken
-again. An engine leaves for good only when no transfer or kernel of it is in flight: `reap()` hands the transfer
-thread what to remove.
+timeouts; so is one whose claim found its peer gone: `mark_dead`), and an engine whose worker restarted (a
+claim's Ack carries another epoch) is dropped and handshaken again; params issued before the worker read started
+(an earlier run on the same address) are refused unread (`check_run`). An engine leaves for good only when no
+transfer or kernel of it is in flight: `reap()` hands the transfer thread what to remove.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.errors import IncompatiblePeerError, TransferError
+from kvbridge.core.errors import IncompatiblePeerError, ParamsRefused, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import IpcHandle, Region, WorkerMemory
 from kvbridge.core.plan import TransferPlan, make_plan
@@ -65,6 +66,7 @@ class Peer:
     staging: Region | None = None  # its staging buffer (the staged NIXL path), if it offers one
     staging_slot_bytes: int = 0
     stream_port: int = 0  # its KV channel (`stream_server`), if it offers one
+    started: float = 0.0  # unix time the worker started (its handshake's `started`; 0: not said)
 
 
 @dataclass
@@ -212,6 +214,7 @@ class PeerBook:
                 staging,
                 reply.staging_slot_bytes if staging is not None else 0,
                 reply.kv_stream_port,
+                reply.started,
             )
         engine = Engine(key, layout, peers, self.plan(layout))
         engine.stream = not engine.same_host and not self.nixl_crosses_hosts
@@ -254,6 +257,15 @@ class PeerBook:
                 self._retired.append(engine)
                 logger.warning("kvbridge decode %s: dropping prefill engine %s: %s", self.identity, engine.key[0], why)
 
+    def mark_dead(self, engine: Engine, why: str) -> None:
+        """`engine`'s peer is gone (its port refused, or it was silent past the answer deadline): drop it, and fail
+        loads naming it at once for `dead_engine_s`; the first load after that connects again (the probe)."""
+        self.drop(engine, why)
+        with self._lock:
+            self._dead[engine.key] = (time.monotonic() + self.dead_s, why)
+            while len(self._dead) > 4 * self.max_engines:
+                self._dead.pop(next(iter(self._dead)))
+
     def begin(self, engine: Engine) -> None:
         with self._lock:
             engine.inflight += 1
@@ -294,6 +306,22 @@ class PeerBook:
     def cached(self) -> int:
         with self._lock:
             return len(self._engines)
+
+
+def check_run(source: PrefillDone, engine: Engine, ranks: tuple[WorkerRank, ...]) -> None:
+    """Refuse params issued before a worker read started: they name blocks of an earlier run of a prefill engine
+    restarted on the same address (its blocks are gone, the numbers may now be another request's). Both times are
+    the prefill host's clock (`remote_issued` by its scheduler, `started` by the worker, which starts first)."""
+    if not source.remote_issued:
+        return
+    for rank in ranks:
+        started = engine.peers[rank].started
+        if started and source.remote_issued < started:
+            raise ParamsRefused(
+                "epoch",
+                f"kv_transfer_params: remote_issued {source.remote_issued:.3f} precedes the start of prefill worker "
+                f"{rank} ({started:.3f}): params of an earlier run of engine {source.remote_engine_id}",
+            )
 
 
 def _done(engine: Engine) -> Future[Engine]:

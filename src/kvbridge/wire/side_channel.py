@@ -38,6 +38,7 @@ from kvbridge.core.errors import (
     IncompatiblePeerError,
     KVBridgeError,
     LayoutError,
+    PeerGone,
     ProtocolError,
     TransferError,
     TransferTimeout,
@@ -46,6 +47,7 @@ from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread, zmq_context
 from kvbridge.wire.auth import ClockSkew, Sealer, destination
+from kvbridge.wire.peer_watch import REFUSED, RESET, PeerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -573,9 +575,11 @@ def exchange(
     Each of the `1 + retries` attempts uses a fresh DEALER socket and waits at most `timeout_s`, so this
     returns or raises within about `(1 + retries) * timeout_s`. Raises TransferTimeout if no attempt is
     answered, ProtocolError for an answer that is not a message (IncompatiblePeerError if it carries another
-    protocol version). Messages may be delivered more than once: handlers must be idempotent. With `sealer`
+    protocol version), PeerGone at once when the port refuses the connection (nobody listens: the process is
+    gone), or resets it and a fresh attempt is refused. Messages may be delivered more than once: handlers must be
+    idempotent. With `sealer`
     each attempt is sealed afresh for the worker `identity` names, and an answer that is not the authentic answer
-    to it is not taken. An answer over `max_answer_bytes` is cut by ZMQ (so it times out).
+    to it is not taken. An answer over `max_answer_bytes` is cut by ZMQ (a reset: retried, then it times out).
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -586,6 +590,7 @@ def exchange(
     dest = destination(port, *identity)
     timeout_ms = max(1, round(timeout_s * 1000))
     started = time.monotonic()
+    gone = None
     attempts, attempt = 1 + retries, 0
     while attempt < attempts:
         attempt += 1
@@ -593,13 +598,15 @@ def exchange(
             sock = _dealer(address, timeout_ms, max_answer_bytes)
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
+        watch = PeerWatch(sock)
         try:
             frame, ticket = sealer.seal_request(payload, dest) if sealer else (payload, b"")
             try:
                 sock.send(frame)
             except zmq.Again:
                 continue
-            if sock.poll(timeout_ms, zmq.POLLIN):
+            gone = _await(sock, watch, timeout_s)
+            if gone is None:
                 try:
                     return _decode_answer(sock.recv_multipart(), address, sealer, ticket, dest)
                 except ClockSkew as exc:
@@ -608,12 +615,41 @@ def exchange(
                     _note_skew(address, exc)
                     attempts += 1  # once: the next attempt is timed by the peer's clock
                     continue
-            logger.debug("side channel %s: attempt %d timed out", address, attempt)
+            if gone == REFUSED:
+                break
+            logger.debug("side channel %s: attempt %d: %s", address, attempt, gone)
         finally:
+            watch.close()
             sock.close(linger=0)
+    if gone == REFUSED:
+        raise _gone(address, message, started)
+    if gone == RESET:
+        raise TransferError(f"the side channel {address} reset the connection on each of {1 + retries} attempts")
     raise TransferTimeout(
         f"no answer from the side channel {address} to {type(message).__name__}: "
         f"{1 + retries} attempts of {timeout_s:g} s ({time.monotonic() - started:.2f} s)" + _KEY_HINT
+    )
+
+
+def _await(sock: zmq.Socket, watch: PeerWatch, timeout_s: float) -> str | None:
+    """Wait until `sock` has an answer (None), its peer is gone (REFUSED, RESET) or `timeout_s` passed ("")."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(watch.monitor, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(max(1, round(left * 1000))))
+        if sock in ready:
+            return None
+        if watch.monitor in ready and (gone := watch.verdict()):
+            return gone
+    return ""
+
+
+def _gone(address: str, message: wire.Message, started: float) -> PeerGone:
+    return PeerGone(
+        f"the side channel {address} refused the connection ({type(message).__name__}, after "
+        f"{time.monotonic() - started:.3f} s): its process is gone"
     )
 
 
@@ -646,6 +682,7 @@ class SideChannelClient:
         # least recently used socket is closed (a file descriptor each), and reopened if that peer comes back.
         self.max_sockets = max_sockets
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._watches: dict[str, PeerWatch] = {}  # each kept socket's monitor: is its peer still there
 
     def exchange_all(
         self,
@@ -676,14 +713,17 @@ class SideChannelClient:
             if not pending:
                 break
             polling: dict[zmq.Socket, str] = {}
+            watching: dict[zmq.Socket, str] = {}
             nonces: dict[str, bytes] = {}
             for address in pending:
                 try:
                     sock = self._socket(address, timeout_ms, polling.values())
                     sealed = self.sealer.seal_request(payload, dests[address]) if self.sealer else (payload, b"")
                     frame, nonces[address] = sealed
+                    self._watches[address].clear()  # a reset before this message was reconnected since
                     sock.send(frame)
                     polling[sock] = address
+                    watching[self._watches[address].monitor] = address
                 except zmq.Again:  # its queue is full: a new socket next attempt
                     self._drop(address)
                 except zmq.ZMQError as exc:
@@ -693,13 +733,31 @@ class SideChannelClient:
                 while_waiting()
                 while_waiting = None
             poller = zmq.Poller()
-            for sock in polling:
+            for sock in (*polling, *watching):
                 poller.register(sock, zmq.POLLIN)
             deadline = time.monotonic() + self.timeout_s
             while polling and (left := deadline - time.monotonic()) > 0:
                 for sock, _ in poller.poll(max(1, round(left * 1000))):
+                    if sock in watching:  # the peer's connection: refused (gone) or reset (a fresh socket)
+                        address = watching[sock]
+                        gone = self._watches[address].verdict() if address in self._watches else None
+                        if gone is None:
+                            continue
+                        poller.unregister(sock)
+                        del watching[sock]
+                        polling.pop(self._sockets[address])
+                        poller.unregister(self._sockets[address])
+                        self._drop(address)
+                        if gone == REFUSED:
+                            answers[address] = _gone(address, message, started)
+                        continue
+                    if sock not in polling:  # a monitor of an answered peer, in the same batch
+                        continue
                     address = polling.pop(sock)
                     poller.unregister(sock)
+                    monitor = self._watches[address].monitor
+                    if watching.pop(monitor, None) is not None:
+                        poller.unregister(monitor)
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                         answers[address] = _decode_answer(frames, address, self.sealer, nonces[address], dests[address])
@@ -737,6 +795,7 @@ class SideChannelClient:
             self._sockets.move_to_end(address)
         else:
             sock = self._sockets[address] = _dealer(address, timeout_ms, self.max_answer_bytes)
+            self._watches[address] = PeerWatch(sock)
         # Over the bound: close the least recently used, never this one or one this call still waits on (`busy`),
         # so a call to more peers than the bound exceeds it until the next call.
         excess = len(self._sockets) - self.max_sockets
@@ -747,6 +806,9 @@ class SideChannelClient:
 
     def _drop(self, address: str) -> None:
         sock = self._sockets.pop(address, None)
+        watch = self._watches.pop(address, None)
+        if watch is not None:
+            watch.close()
         if sock is not None:
             sock.close(linger=0)
 
@@ -803,6 +865,7 @@ def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BY
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, max_answer_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kept socket whose peer went learns it is gone sooner
         if address.startswith("tcp://["):  # an IPv6 literal
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
@@ -811,6 +874,10 @@ def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BY
         raise
     return sock
 
+
+RECONNECT_MS = 20
+"""A client socket's reconnect interval after its connection dropped (ZMQ's default: 100 ms): a message waits
+for the next connect to be refused before it fails (`PeerWatch`)."""
 
 _KEY_HINT = (
     " (a server with a deployment key drops what is not sealed with it: are the auth keys equal, or accepted there, "

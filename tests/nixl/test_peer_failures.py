@@ -1,0 +1,176 @@
+"""A prefill whose process is gone, stopped or restarted: each load naming it ends quickly, and nothing is read
+from a restarted one with the old run's params (real NIXL agents, real side channels, a prefill process of its
+own: `support.prefill_process`).
+
+The decode worker runs with the default deadlines (1 s an attempt, one retry). Each bound has its control: the
+stopped prefill is the control of the killed one (the same loads, only the deadline ends them), `dead_engine_s=0`
+the control of the dead-engine cache, params without `remote_issued` the control of the epoch check.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.topology import ParallelLayout, WorkerRank
+from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
+from kvbridge.serving.launcher import free_base_port
+from kvbridge.wire.params import PrefillDone
+from support.prefill_process import GEOMETRY, PrefillProcess, kv, memory_of
+
+pytestmark = pytest.mark.nixl
+
+ENGINE = "prefill-a"
+BLOCKS = [1, 2, 3]
+LOCAL = (4, 5, 6)
+GONE_S = 1.0  # a prefill whose process is gone: each load fails within this
+SILENT_S = 3.0  # a stopped one
+
+
+@pytest.fixture
+def side():
+    """(decode worker factory, base port, prefill processes to close)."""
+    port = free_base_port(1)
+    made: list = []
+
+    def decode(**config) -> tuple[DecodeWorker, torch.Tensor]:
+        buffer = torch.zeros_like(kv(0))
+        worker = DecodeWorker(
+            WorkerIdentity("decode", ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY),
+            memory_of(buffer),
+            BridgeConfig(side_channel_port=port, **config),
+        ).start()
+        made.append(worker)
+        return worker, buffer
+
+    def prefill(seed: int) -> PrefillProcess:
+        p = PrefillProcess(port, ENGINE, seed)
+        made.append(p)
+        return p
+
+    try:
+        yield decode, prefill, port
+    finally:
+        for thing in reversed(made):
+            thing.close()
+
+
+def source(port: int, request_id: str, issued: float = 0.0) -> PrefillDone:
+    return PrefillDone(
+        remote_engine_id=ENGINE,
+        remote_request_id=request_id,
+        remote_block_ids=BLOCKS,
+        remote_host="127.0.0.1",
+        remote_port=port,
+        remote_layout="pp=1,tp=1",
+        remote_token=f"token-{request_id}",
+        remote_prompt_hash="h",
+        remote_issued=issued,
+    )
+
+
+def job(port: int, request_id: str, issued: float = 0.0) -> LoadJob:
+    return LoadJob(f"decode-{request_id}", source(port, request_id, issued), (LOCAL,), (tuple(BLOCKS),))
+
+
+def outcomes(decode: DecodeWorker, jobs: list[LoadJob], timeout: float = 30.0) -> dict[str, tuple[bool, float]]:
+    """Queue `jobs` together; {request id: (loaded, seconds from queueing to its report)}."""
+    t0 = time.monotonic()
+    for j in jobs:
+        decode.load(j)
+    ended: dict[str, tuple[bool, float]] = {}
+    while len(ended) < len(jobs) and time.monotonic() - t0 < timeout:
+        done, failed, _ = decode.results(0.01)
+        now = time.monotonic() - t0
+        ended.update({r: (True, now) for r in done})
+        ended.update({r: (False, now) for r in failed})
+    assert len(ended) == len(jobs), f"loads never reported: {ended}"
+    return ended
+
+
+def warm(decode: DecodeWorker, prefill: PrefillProcess, port: int) -> None:
+    """One load read: the engine is cached (connected, claims on kept sockets), as under steady traffic."""
+    prefill.hold("warm", BLOCKS, "token-warm")
+    assert outcomes(decode, [job(port, "warm")])["decode-warm"][0]
+
+
+def test_a_killed_prefill_fails_each_load_within_a_second_then_at_once(side):
+    make_decode, make_prefill, port = side
+    decode, _ = make_decode()
+    prefill = make_prefill(seed=1)
+    warm(decode, prefill, port)
+    for i in range(3):
+        prefill.hold(f"r{i}", BLOCKS, f"token-r{i}")
+    prefill.kill()
+    ended = outcomes(decode, [job(port, f"r{i}") for i in range(3)])
+    print("killed prefill:", {k: f"{v[1] * 1000:.0f} ms" for k, v in ended.items()})
+    assert all(not ok and s < GONE_S for ok, s in ended.values()), ended
+    later = outcomes(decode, [job(port, "later")])["decode-later"]
+    assert not later[0] and later[1] < 0.1, later  # known dead: no connect at all
+
+
+@pytest.mark.parametrize("dead_s", [10.0, 0.0])
+def test_a_stopped_prefill_fails_each_load_within_three_seconds_then_at_once(side, dead_s):
+    """Negative control (dead_s 0): without the dead-engine cache the next load waits the deadline again."""
+    make_decode, make_prefill, port = side
+    decode, _ = make_decode(dead_engine_s=dead_s)
+    prefill = make_prefill(seed=1)
+    warm(decode, prefill, port)
+    for i in range(3):
+        prefill.hold(f"r{i}", BLOCKS, f"token-r{i}")
+    prefill.stop()
+    ended = outcomes(decode, [job(port, f"r{i}") for i in range(3)])
+    print("stopped prefill:", {k: f"{v[1] * 1000:.0f} ms" for k, v in ended.items()})
+    assert all(not ok and 1.5 < s < SILENT_S for ok, s in ended.values()), ended
+    later = outcomes(decode, [job(port, "later")])["decode-later"]
+    assert not later[0]
+    if dead_s:
+        assert later[1] < 0.1, later
+    else:
+        assert later[1] > 1.5, later
+
+
+def test_a_dead_engine_is_tried_again_after_dead_engine_s(side):
+    make_decode, make_prefill, port = side
+    decode, _ = make_decode(dead_engine_s=1.0)
+    prefill = make_prefill(seed=1)
+    warm(decode, prefill, port)
+    prefill.stop()
+    assert not outcomes(decode, [job(port, "r0")])["decode-r0"][0]
+    prefill.resume()
+    prefill.hold("r1", BLOCKS, "token-r1")
+    assert not outcomes(decode, [job(port, "r1")])["decode-r1"][0]  # still known dead
+    time.sleep(1.0)
+    prefill.hold("r2", BLOCKS, "token-r2")
+    assert outcomes(decode, [job(port, "r2")])["decode-r2"][0]  # connected again
+
+
+@pytest.mark.parametrize("issued", [True, False])
+def test_a_prefill_restarted_on_the_same_address_refuses_the_old_runs_params_unread(side, issued):
+    """The new process (another KV, same engine id, same port) must never be read with the old run's params. With
+    claims off only the epoch check stands between them. Negative control (params without remote_issued, as
+    older prefill instances send): the load reads the new process's blocks, another request's KV."""
+    make_decode, make_prefill, port = side
+    decode, buffer = make_decode(verify_requests=False)
+    old = make_prefill(seed=1)
+    stale = job(port, "old", issued=time.time() if issued else 0.0)
+    old.kill()
+    new = make_prefill(seed=2)
+    ended = outcomes(decode, [stale])["decode-old"]
+    read_new = torch.equal(view(buffer)[:, list(LOCAL)], view(kv(2))[:, BLOCKS])
+    if issued:
+        assert not ended[0], "params of the earlier run were loaded"
+        assert not buffer.any(), "bytes were written by a refused load"
+        new.hold("fresh", BLOCKS, "token-fresh")  # the new run's own params still load
+        assert outcomes(decode, [job(port, "fresh", issued=time.time())])["decode-fresh"][0]
+    else:
+        assert ended[0] and read_new, "the control should read the new process's blocks"
+
+
+def view(buffer: torch.Tensor) -> torch.Tensor:
+    """[layer, block, rest] of an LBHNC buffer."""
+    return buffer.view(2, 16, -1)

@@ -1,0 +1,82 @@
+"""A kvbridge prefill worker in a process of its own, to kill, stop or restart under a decode worker.
+
+`PrefillProcess(port, engine, seed)` starts a spawned process holding a `PrefillWorker` whose KV (one CPU buffer,
+LBHNC) is seeded from `seed`; `hold` pins requests there; `kill`, `stop` (SIGSTOP), `resume` (SIGCONT) and
+`close` act on it. `kv(seed)` is what such a process's buffer holds, to tell whose bytes a decode read.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import torch
+
+from kvbridge.core.config import BridgeConfig
+from kvbridge.core.identity import WorkerIdentity
+from kvbridge.core.memory import synthesize_memory
+from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
+BLOCKS = 16
+NUMEL = 2 * BLOCKS * 2 * GEOMETRY.block_size * 2 * GEOMETRY.head_size
+
+
+def kv(seed: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
+
+
+def memory_of(buffer: torch.Tensor):
+    return synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, BLOCKS, buffer.data_ptr())
+
+
+def _main(port: int, engine: str, seed: int, commands, ready) -> None:
+    from kvbridge.runtime.prefill_worker import PrefillWorker
+
+    buffer = kv(seed)
+    config = BridgeConfig(side_channel_port=port, lease_s=60.0)
+    worker = PrefillWorker(
+        WorkerIdentity(engine, ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory_of(buffer), config
+    ).start()
+    ready.put((os.getpid(), time.time()))
+    try:
+        while (command := commands.get()) is not None:
+            request_id, blocks, token = command
+            worker.hold(request_id, (tuple(blocks),), token=token, prompt_hash="h")
+            ready.put(request_id)
+    finally:
+        worker.close()
+
+
+class PrefillProcess:
+    def __init__(self, port: int, engine: str, seed: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._commands = ctx.Queue()
+        self._ready = ctx.Queue()
+        self.process = ctx.Process(target=_main, args=(port, engine, seed, self._commands, self._ready), daemon=True)
+        self.process.start()
+        self.pid, self.started = self._ready.get(timeout=60)
+
+    def hold(self, request_id: str, blocks: list[int], token: str) -> None:
+        self._commands.put((request_id, blocks, token))
+        assert self._ready.get(timeout=10) == request_id
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            os.kill(self.pid, signal.SIGCONT)
+            self._commands.put(None)
+            self.process.join(10)
+        if self.process.is_alive():
+            self.kill()
