@@ -1,9 +1,10 @@
 """Prefill and decode on different hosts: network namespaces joined by veth, KV over TCP on the veth.
 
 The prefill server (PP=2) runs in one namespace, the decode server in another, the test client in the root
-namespace; both hold the deployment key (authenticated side channel, signed kv_transfer_params). UCX is limited
-to TCP on each host's own device (no shared memory, CMA or CUDA IPC between hosts),
-so the KV must cross the link: the prefill host's transmitted bytes are checked against the KV size. Then the
+namespace; both hold the deployment key (authenticated side channel, signed kv_transfer_params). The deployment is
+the default one: NIXL's UCX stays on each host's loopback, and the KV crosses the link over kvbridge's own channel
+(authenticated with the key, AES-GCM frames): the prefill host's transmitted bytes are checked against the KV size,
+and the decode's log names the channel. Then the
 prefill host's link is cut in the middle of a request: the decode side recomputes within a bounded time, the
 prefill side frees the held blocks when the lease expires, and requests succeed again once the link is back.
 With the path to a decode host slowed (tc tbf, 4 Mbit/s) so that a READ takes seconds, a second decode server is
@@ -79,6 +80,7 @@ def test_kv_crosses_the_network_and_survives_a_cut_link(tmp_path, tiny_model):
                 print(f"\n{n} tokens: {kv} KV bytes, {over_link} bytes over the veth, decode request {elapsed:.3f} s")
             m = metrics(decode.url)
             assert metric_sum(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= 880
+            assert "; kvbridge KV channel)" in decode.log_path.read_text(), "the KV did not take kvbridge's channel"
 
             # Cut the prefill host off between the prefill leg and the decode leg.
             baseline = prefill.kv_usage()
@@ -221,8 +223,10 @@ def test_a_link_cut_while_a_read_is_in_flight_is_recomputed(tmp_path, tiny_model
 
 def mid_read(decode, ph, dh, prompt, params, act, undo) -> tuple[dict, int]:
     """The decode leg of `params` with the path to the decode host slowed to 4 Mbit/s (a 300-token READ takes
-    about 3 s); `act()` once 200 kB of the READ have left the prefill host, `undo()` after. (answer, bytes sent
-    when it acted): answer has "tokens" or "error", and "seconds"."""
+    about 3 s); `act()` once 200 kB of the READ have been delivered to the decode host, `undo()` after. (answer,
+    bytes delivered when it acted): answer has "tokens" or "error", and "seconds". Counted where they arrive, after
+    the shaper: a sender with a wide TCP window (the KV channel's pooled connections) hands the link its whole
+    part at once, most of it dropped by the shaper and sent again, so what left the prefill host says little."""
     answer: dict = {}
 
     def decode_leg() -> None:
@@ -239,7 +243,7 @@ def mid_read(decode, ph, dh, prompt, params, act, undo) -> tuple[dict, int]:
         with slowed(dh):
             try:
                 leg.start()
-                in_flight = when_sent(ph.tx_bytes, 200_000, act)
+                in_flight = when_sent(dh.rx_bytes, 200_000, act)
                 leg.join(90)
             finally:
                 undo()

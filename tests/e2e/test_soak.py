@@ -3,8 +3,9 @@ vLLM servers with a deployment key and the real `kvbridge proxy`; every answer m
 and no block may stay allocated on either side.
 
 The prefill and decode servers run on two test hosts (network namespaces, tests/support/hosts.py): the KV crosses a veth
-over TCP, so the bytes a READ has moved can be counted on the decode host's link, and slowing the path to the
-decode host (tc) makes a 300-token READ last seconds. The proxy and the client stay in the root namespace.
+over TCP (kvbridge's KV channel, the default between hosts; NIXL stays on each host's loopback), so the bytes a READ
+has moved can be counted on the decode host's link, and slowing the path to the decode host (tc) makes a 300-token
+READ last seconds. The proxy and the client stay in the root namespace.
 
 Traffic (seeded): plain requests through the proxy, lists of prompts and n=2 through the proxy, clients that
 disconnect from the proxy mid-request, and, straight to the decode server, swapped params (another prompt's),

@@ -104,13 +104,20 @@ def when_sent(count: Callable[[], int], nbytes: int, act: Callable[[], object], 
     return sent
 
 
-def server_on(host: Host) -> dict:
-    """VllmServer arguments that put a server on `host`, NIXL's UCX limited to TCP on the host's own device (no
-    shared memory or CMA across hosts: the KV must cross the link)."""
-    env = {"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": host.device, "VLLM_HOST_IP": host.ip}
+def server_on(host: Host, ucx_tcp: bool = False) -> dict:
+    """VllmServer arguments that put a server on `host`. By default NIXL's UCX stays on the host's loopback (the
+    launcher's UCX_NET_DEVICES=lo) and KV leaves the host over kvbridge's own channel; `ucx_tcp`: UCX limited to TCP
+    on the host's own device (no shared memory or CMA across hosts), the opt-in deployment."""
+    env = {"VLLM_HOST_IP": host.ip}
+    if ucx_tcp:
+        env.update(UCX_TLS="self,tcp", UCX_NET_DEVICES=host.device)
     return {"host": host.ip, "netns": host.netns, "env": env}
 
 
-def connector_on(host: Host) -> dict:
-    """kvbridge connector settings for a server on `host`: its side channel and UCX on the host's address."""
-    return {"side_channel_host": host.ip, "side_channel_port": 5600, "ucx_net_devices": host.device}
+def connector_on(host: Host, ucx_tcp: bool = False) -> dict:
+    """kvbridge connector settings for a server on `host`: its side channel (and KV channel) on the host's address;
+    `ucx_tcp`: NIXL's UCX over tcp on the host's device too, which the operator must opt into."""
+    out: dict = {"side_channel_host": host.ip, "side_channel_port": 5600}
+    if ucx_tcp:
+        out.update(ucx_net_devices=host.device, ucx_tcp_exposes_process_memory=True)
+    return out
