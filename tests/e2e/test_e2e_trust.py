@@ -228,7 +228,7 @@ class FakeSideChannel:
         ("address", "bad_signature"),  # remote_host/port edited to the attacker's side channel
         ("blocks", "bad_signature"),  # another request's blocks
         ("unsigned", "unsigned"),
-        ("wrong_key", "bad_signature"),
+        ("wrong_key", "unknown_key"),  # signed with a key this decode does not accept (its id is unknown)
         ("expired", "expired"),  # signed with the right key (an insider), but stale
     ],
 )

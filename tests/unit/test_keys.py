@@ -224,3 +224,19 @@ def test_signed_params_round_trip_their_key_id():
     done = params().signed(NEW)
     again = msgspec.json.decode(msgspec.json.encode(done.to_dict()), type=PrefillDone)
     assert again.verify(NEW) and not again.verify(OLD)
+
+
+def test_large_frames_round_trip_on_real_sockets():
+    """Bodies of 64 KiB and more are sealed into one buffer (`encrypt_into`) and opened in place: a 1 MiB request
+    and a 2 MiB answer, through `exchange` and a kept client."""
+    big = wire.ErrorReply(message="x" * (2 << 20))
+    with SideChannelServer(0, lambda m: big, sealer=Sealer(NEW), max_message_bytes=4 << 20) as server:
+        request = wire.ErrorReply(message="y" * (1 << 20))
+        assert exchange("127.0.0.1", server.port, request, timeout_s=5, sealer=Sealer(NEW)) == big
+        from kvbridge.wire.side_channel import SideChannelClient
+
+        client = SideChannelClient(timeout_s=5, sealer=Sealer(NEW))
+        try:
+            assert client.exchange_all([("127.0.0.1", server.port)], request) == [big]
+        finally:
+            client.close()
