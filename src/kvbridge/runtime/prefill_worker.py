@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+MAX_TIMELINES = 4096
+"""Released requests' timelines kept until `take_phases` (vLLM's stats take them every step)."""
+
+
 @dataclass
 class _Waiting:
     """A claim of a request not held yet, answered when its hold comes or at `until`."""
@@ -382,6 +386,7 @@ class PrefillWorker:
             for request_id in done | expired:
                 if (times := self._times.pop(request_id, None)) is not None:
                     self._hold_phases.append(times.phases(now))
+            del self._hold_phases[:-MAX_TIMELINES]  # nobody takes them (a harness without vLLM): keep the last
             lapsed = self._lapsed_waits(now) if self._waiting else []
             self._leases.refused_total += len(lapsed)
         for later in lapsed:
