@@ -32,7 +32,8 @@ from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportCo
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
-from kvbridge.wire.side_channel import Later, SideChannelServer, handshake_handler, side_channel_port
+from kvbridge.wire.later import Later
+from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
 
 if TYPE_CHECKING:
     from kvbridge.core.memory import IpcHandle
