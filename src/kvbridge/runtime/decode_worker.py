@@ -69,6 +69,12 @@ logger = logging.getLogger(__name__)
 SLOW_LOAD_S = 2.0
 """A load that takes longer is logged with where its time went (handshake, claim, queue, wire)."""
 
+POLL_FRESH_S = 250e-6
+"""The transfer thread polls READs in flight at least this often for FRESH_S after a post."""
+FRESH_S = 0.05
+POLL_STALE_S = 2e-3
+"""Then at least this often (a READ that takes longer moves many MiB or crosses a slow link)."""
+
 PHASES = ("handshake", "claim", "queue", "post", "wire", "report", "hop", "total")
 """A load's timeline in `TransferStats.phases` (`Load.durations`): queued -> handshake done -> claim granted ->
 taken by its path (queue) -> READs posted or kernels queued (post: the host's work) -> data landed (wire) ->
@@ -408,9 +414,15 @@ class DecodeWorker:
     # -- transfer thread ----------------------------------------------------------------------------
 
     def _transfer_loop(self) -> None:
-        backoff = Backoff(first_s=50e-6, cap_s=2e-3)
+        # New loads wake the thread at once (the queue); READs in flight have no event to wait on (NIXL without its
+        # progress thread): they are polled every POLL_FRESH_S at most while the last post is recent (a READ of a
+        # few MiB lands in about a millisecond; a 2 ms cap added up to 2 ms to each), then less often.
+        backoff = Backoff(first_s=25e-6, cap_s=POLL_FRESH_S)
+        posted_at = 0.0
         while True:
             busy = self.nixl.busy
+            if busy and time.monotonic() - posted_at > FRESH_S:
+                backoff.cap_s = POLL_STALE_S  # long READs (slow links): poll rarely
             try:
                 load = self._ready.get(timeout=backoff.step() if busy else 0.5)
             except queue.Empty:
@@ -420,6 +432,7 @@ class DecodeWorker:
             try:
                 if load:
                     backoff.reset()
+                    backoff.cap_s, posted_at = POLL_FRESH_S, time.monotonic()
                     self._post(load)
                 self.nixl.poll()
                 self._reap()

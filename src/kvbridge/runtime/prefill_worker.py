@@ -36,13 +36,18 @@ from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.keys import KeyRing, token_is_ours
-from kvbridge.wire.side_channel import Later, SideChannelServer, handshake_handler, side_channel_port
+from kvbridge.wire.later import Later
+from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
 from kvbridge.wire.stream_messages import StreamRead
 
 if TYPE_CHECKING:
     from kvbridge.core.memory import IpcHandle
 
 logger = logging.getLogger(__name__)
+
+
+MAX_TIMELINES = 4096
+"""Released requests' timelines kept until `take_phases` (vLLM's stats take them every step)."""
 
 
 @dataclass
@@ -419,6 +424,7 @@ class PrefillWorker:
             for request_id in done | expired:
                 if (times := self._times.pop(request_id, None)) is not None:
                     self._hold_phases.append(times.phases(now))
+            del self._hold_phases[:-MAX_TIMELINES]  # nobody takes them (a harness without vLLM): keep the last
             lapsed = self._lapsed_waits(now) if self._waiting else []
             self._leases.refused_total += len(lapsed)
         for later in lapsed:

@@ -47,6 +47,7 @@ from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread, zmq_context
 from kvbridge.wire.auth import ClockSkew, Sealer, destination
+from kvbridge.wire.later import Later
 from kvbridge.wire.peer_watch import REFUSED, RESET, PeerWatch
 
 logger = logging.getLogger(__name__)
@@ -74,33 +75,6 @@ MAX_CONNECTIONS_PER_ADDRESS = 128
 Identity = tuple[str, int, int, int]
 """A prefill worker's identity a sealed request is bound to: (engine id, dp rank, pp rank, tp rank)."""
 NO_IDENTITY: Identity = ("", 0, 0, 0)
-
-
-class Later:
-    """An answer given later: a handler returns one when it cannot answer yet (a claim of a request whose hold has
-    not come), and whoever learns the answer calls `give` from any thread; the server's thread sends it at once.
-    The handler's owner answers every Later it made within the time the client waits (a bounded number of them)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sink: Callable[[wire.Message], None] | None = None
-        self._answer: wire.Message | None = None
-
-    def give(self, message: wire.Message) -> None:
-        """Answer now (the first answer counts; later ones are ignored)."""
-        with self._lock:
-            if self._answer is not None:
-                return
-            self._answer, sink = message, self._sink
-        if sink is not None:
-            sink(message)
-
-    def bind(self, sink: Callable[[wire.Message], None]) -> None:
-        """Where the answer goes (the server, once it knows the envelope); an answer given already goes now."""
-        with self._lock:
-            self._sink, answer = sink, self._answer
-        if answer is not None:
-            sink(answer)
 
 
 Handler = Callable[[wire.Message], "wire.Message | Later"]
