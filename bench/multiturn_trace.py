@@ -1,0 +1,391 @@
+"""A multi-turn chat trace replayed through three arms in one run, on real vLLM servers with kvbridge:
+
+    aggregated   the decode server alone (one instance, one core)
+    always-pd    `kvbridge proxy --disaggregation always --routing least_loaded` (every request: prefill, then decode)
+    kvbridge     `kvbridge proxy --disaggregation selective --routing cache_aware` (threshold learned from /metrics)
+
+    flock /tmp/kvbridge-vllm.lock python bench/multiturn_trace.py --out bench/results
+
+The trace (seeded): `--users` conversations of `--turns` turns. A conversation opens with a long context (a shared
+system prompt and a document of its own); each later turn is the whole conversation so far (every prompt and every
+reply) plus a new user turn, short mostly, long (a pasted document) with probability `--long-share`. Requests arrive
+at `--rate` per second in turn order (turn 1 of every user, then turn 2 ...); a user's next turn waits for its
+previous reply. Replies are greedy, `--max-tokens` long (ignore_eos), streamed.
+
+The machine has 2 cores: one prefill server (core 0) and one decode server (core 1), both `kv_both` kvbridge
+servers; the aggregated arm uses the decode server (core 1) alone. Each arm salts its requests (`cache_salt`), so no
+arm is served from another arm's prefix cache. Per arm: TTFT p50/p90/p99, inter-token latency, requests/s, the
+servers' prompt tokens computed, loaded through kvbridge and served from their prefix caches (vLLM's
+`vllm:prompt_tokens_by_source_total`), the proxy's decisions, and whether every reply equals the aggregated arm's.
+JSON goes to `--out` (with the command, the machine and the commit); a PNG plot of TTFT over the trace needs
+matplotlib (skipped, and said so, when it is not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvbridge.serving.launcher import (
+    VllmServer,
+    free_base_port,
+    free_port,
+    kvbridge_config,
+    metric_sum,
+    metrics,
+    running,
+)
+from kvbridge.serving.tiny_model import build_tiny_model
+
+SOURCE = "vllm:prompt_tokens_by_source_total"
+SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
+ARMS = ("aggregated", "always-pd", "kvbridge")
+
+
+@dataclass
+class Turn:
+    user: int
+    turn: int
+    new: list[int]
+    """The new user turn's tokens."""
+
+
+@dataclass
+class Result:
+    user: int
+    turn: int
+    prompt_tokens: int
+    new_tokens: int
+    sent_s: float
+    ttft_s: float
+    itl_s: float | None
+    output: list[int] = field(default_factory=list)
+
+
+def trace(args: argparse.Namespace) -> list[Turn]:
+    rng = random.Random(args.seed)
+    system = [rng.randrange(1, 1000) for _ in range(args.system_tokens)]
+    turns = []
+    for t in range(args.turns):
+        for u in range(args.users):
+            if t == 0:
+                n = rng.randint(*args.first_tokens)
+                new = system + [rng.randrange(1, 1000) for _ in range(n)]
+            else:
+                long = rng.random() < args.long_share
+                n = rng.randint(*(args.long_tokens if long else args.short_tokens))
+                new = [rng.randrange(1, 1000) for _ in range(n)]
+            turns.append(Turn(u, t, new))
+    return turns
+
+
+async def replay(url: str, turns: list[Turn], args: argparse.Namespace, salt: str) -> tuple[list[Result], float]:
+    """Send the trace to `url` at the fixed rate; returns the results and the makespan."""
+    history: dict[int, list[int]] = {}
+    done: dict[tuple[int, int], asyncio.Event] = {(t.user, t.turn): asyncio.Event() for t in turns}
+    results: list[Result] = []
+    start = time.monotonic()
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
+
+        async def one(i: int, t: Turn) -> None:
+            await asyncio.sleep(max(0.0, start + i / args.rate_now - time.monotonic()))
+            if t.turn:
+                await done[(t.user, t.turn - 1)].wait()
+            prompt = [*history.get(t.user, []), *t.new]
+            body = {
+                "model": args.model_name,
+                "prompt": prompt,
+                "max_tokens": args.max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "stream": True,
+                "cache_salt": salt,
+            }
+            sent = time.monotonic()
+            stamps: list[float] = []
+            out: list[int] = []
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"{url}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    for choice in json.loads(line[5:]).get("choices", ()):
+                        ids = choice.get("token_ids") or []
+                        if ids:
+                            stamps.append(time.monotonic())
+                            out.extend(ids)
+            ttft = stamps[0] - sent
+            itl = (stamps[-1] - stamps[0]) / (len(out) - 1) if len(out) > 1 else None
+            results.append(Result(t.user, t.turn, len(prompt), len(t.new), sent - start, ttft, itl, out))
+            history[t.user] = [*prompt, *out]
+            done[(t.user, t.turn)].set()
+
+        await asyncio.gather(*(one(i, t) for i, t in enumerate(turns)))
+    return sorted(results, key=lambda r: r.sent_s), time.monotonic() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def token_sources(servers: list[VllmServer]) -> dict[str, float]:
+    out = dict.fromkeys(SOURCES, 0.0)
+    for server in servers:
+        samples = metrics(server.url)
+        for source in SOURCES:
+            out[source] += metric_sum(samples, SOURCE, source=source)
+    return out
+
+
+def proxy_decisions(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvbridge_proxy_decisions_total":
+                out[f"{s.labels['path']}/{s.labels['reason']}"] = s.value
+            elif s.name in (
+                "kvbridge_proxy_direct_threshold_tokens",
+                "kvbridge_proxy_prefill_tokens_per_second",
+                "kvbridge_proxy_transfer_seconds_per_token",
+                "kvbridge_proxy_hop_seconds",
+            ):
+                out[s.name.removeprefix("kvbridge_proxy_")] = s.value
+    return out
+
+
+class ProxyProcess:
+    """`kvbridge proxy` as a user runs it, its log in a file."""
+
+    def __init__(self, flags: list[str], log_path: Path) -> None:
+        self.cmd = [sys.executable, "-m", "kvbridge.serving.cli", "proxy", "--port", "0", *flags]
+        self.log_path = log_path
+
+    def __enter__(self) -> str:
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for line in self.log_path.read_text().splitlines():
+                if line.startswith("kvbridge proxy listening on "):
+                    return line.split()[-1]
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"the proxy did not start:\n{self.log_path.read_text()[-2000:]}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def run_arm(name: str, url: str, turns: list[Turn], args: argparse.Namespace, servers: list[VllmServer]) -> dict:
+    before = token_sources(servers)
+    results, makespan = asyncio.run(replay(url, turns, args, salt=f"{name}-{args.seed}-{args.rate_now}"))
+    time.sleep(1.0)  # the servers' metrics of the last requests
+    after = token_sources(servers)
+    ttft = [r.ttft_s * 1000 for r in results]
+    itl = [r.itl_s * 1000 for r in results if r.itl_s is not None]
+    row = {
+        "arm": name,
+        "requests": len(results),
+        "ttft_ms": {q: round(pct(ttft, v), 1) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
+        "itl_ms": {"mean": round(statistics.fmean(itl), 2), "p90": round(pct(itl, 0.9), 2)},
+        "requests_per_s": round(len(results) / makespan, 3),
+        "prompt_tokens": {s: round(after[s] - before[s]) for s in SOURCES},
+        "trace": [
+            {
+                "user": r.user,
+                "turn": r.turn,
+                "prompt": r.prompt_tokens,
+                "new": r.new_tokens,
+                "sent_s": round(r.sent_s, 3),
+                "ttft_ms": round(r.ttft_s * 1000, 1),
+            }
+            for r in results
+        ],
+    }
+    row["_outputs"] = {(r.user, r.turn): r.output for r in results}
+    print(
+        f"{name}: TTFT ms {row['ttft_ms']}, ITL ms {row['itl_ms']}, {row['requests_per_s']} req/s, "
+        f"tokens {row['prompt_tokens']}",
+        flush=True,
+    )
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| arm | TTFT p50 ms | p90 | p99 | ITL mean ms | req/s | computed | loaded | cached | outputs = aggregated |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t, p = r["ttft_ms"], r["prompt_tokens"]
+        lines.append(
+            f"| {r['arm']} | {t['p50']} | {t['p90']} | {t['p99']} | {r['itl_ms']['mean']} | {r['requests_per_s']} | "
+            f"{p['local_compute']} | {p['external_kv_transfer']} | {p['local_cache_hit']} | "
+            f"{r['outputs_equal_aggregated']}/{r['requests']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 3.5 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        for r in run["arms"]:
+            xs, ys = [x["sent_s"] for x in r["trace"]], [x["ttft_ms"] for x in r["trace"]]
+            ax.plot(xs, ys, ".-", label=r["arm"], lw=0.8)
+        ax.set_title(f"{run['rate']:g} requests/s")
+        ax.set_xlabel("request sent (s into the trace)")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def commit() -> str:
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--users", type=int, default=12)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--rate", type=float, nargs="+", default=[3.0], help="requests per second; several: one run each")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--system-tokens", type=int, default=256)
+    p.add_argument("--first-tokens", type=int, nargs=2, default=(400, 900), metavar=("MIN", "MAX"))
+    p.add_argument("--short-tokens", type=int, nargs=2, default=(10, 60), metavar=("MIN", "MAX"))
+    p.add_argument("--long-tokens", type=int, nargs=2, default=(400, 800), metavar=("MIN", "MAX"))
+    p.add_argument("--long-share", type=float, default=0.25)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=32, help="vLLM CPU attention: a multiple of 32")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--model-name", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    turns = trace(args)
+    work = Path(tempfile.mkdtemp(prefix="kvbridge-multiturn-"))
+    model = build_tiny_model(work / "model")
+    args.model_name = str(model)
+    places = {"prefill": "0", "decode": "1"}
+    servers = {
+        name: VllmServer(
+            model,
+            port=free_port(),
+            cpu_bind=core,
+            block_size=args.block_size,
+            max_model_len=4096,
+            kv_cache_gib=2,
+            kv_transfer_config=kvbridge_config("kv_both", side_channel_port=free_base_port(1), lease_s=30.0),
+            name=name,
+            log_path=work / f"{name}.log",
+        )
+        for name, core in places.items()
+    }
+    prefill, decode = servers["prefill"], servers["decode"]
+    both = [prefill, decode]
+    base = ["--prefill", prefill.url, "--decode", decode.url, "--log-level", "info"]
+    arms = {
+        "always-pd": [*base, "--disaggregation", "always", "--routing", "least_loaded"],
+        "kvbridge": [
+            *base,
+            "--disaggregation",
+            "selective",
+            "--routing",
+            "cache_aware",
+            "--prefix-block-tokens",
+            str(args.block_size),
+        ],
+    }
+    runs = []
+    with running(both):
+        args.rate_now = 1.0
+        asyncio.run(replay(decode.url, turns[:1], args, salt="warm"))  # one request per path, not measured
+        with ProxyProcess(arms["always-pd"], work / "proxy-warm.log") as url:
+            asyncio.run(replay(url, turns[:1], args, salt="warm-pd"))
+        for rate in args.rate:
+            args.rate_now = rate
+            rows = [run_arm("aggregated", decode.url, turns, args, both)]
+            for name, flags in arms.items():
+                with ProxyProcess(flags, work / f"proxy-{name}-{rate:g}.log") as url:
+                    row = run_arm(name, url, turns, args, both)
+                    row["proxy"] = proxy_decisions(url)
+                    rows.append(row)
+            runs.append(summarize(rate, rows))
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = plot(runs, args.out / f"multiturn-trace-{stamp}.png")
+    report = {
+        "command": "python " + " ".join(sys.argv),
+        "host": f"{platform.machine()}, {os.cpu_count()} cores: prefill server on core 0, decode on core 1; "
+        "the aggregated arm is the decode server alone",
+        "commit": commit(),
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "trace": {k: v for k, v in vars(args).items() if k not in ("out", "model_name", "rate_now")},
+        "plot": png or "skipped: matplotlib is not installed",
+        "runs": runs,
+    }
+    path = args.out / f"multiturn-trace-{stamp}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    for run in runs:
+        print(f"\nrate {run['rate']}/s:")
+        print(table(run["arms"]))
+        print(f"kvbridge TTFT <= the better of the other arms: {run['kvbridge_ttft_at_most_best_other']}")
+    print(f"plot: {report['plot']}")
+    print(f"wrote {path}")
+    return 0 if all(r["outputs_equal_aggregated"] == r["requests"] for run in runs for r in run["arms"]) else 1
+
+
+def summarize(rate: float, rows: list[dict]) -> dict:
+    reference = rows[0]["_outputs"]
+    for r in rows:
+        outputs = r.pop("_outputs")
+        r["outputs_equal_aggregated"] = sum(outputs[k] == reference[k] for k in reference)
+    agg, pd, kvb = (next(r for r in rows if r["arm"] == a) for a in ARMS)
+    met = {q: kvb["ttft_ms"][q] <= min(agg["ttft_ms"][q], pd["ttft_ms"][q]) for q in ("p50", "p90")}
+    return {"rate": rate, "kvbridge_ttft_at_most_best_other": met, "arms": rows}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
