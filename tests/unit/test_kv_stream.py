@@ -102,7 +102,7 @@ def test_a_client_that_does_not_confirm_gets_nothing_more():
         t = threading.Thread(target=serve)
         t.start()
         mine = bytes(32)
-        hello = ks.HELLO.pack(ks.MAGIC, 1, mine)
+        hello = ks.HELLO.pack(ks.MAGIC, 1, bytes(ks.KEY_ID_BYTES), mine)
         a.sendall(hello)
         answer = ks._recv_bytes(a, ks.ANSWER.size)
         _, _, theirs, _ = ks.ANSWER.unpack(answer)
@@ -184,3 +184,40 @@ def test_the_default_keeps_ucx_on_loopback_and_rdma_devices():
     assert BridgeConfig(ucx_net_devices="mlx5_0:1").nixl_crosses_hosts()
     assert BridgeConfig(ucx_tcp_exposes_process_memory=True).nixl_crosses_hosts()
     assert BridgeConfig().nixl_crosses_hosts(env_devices="mlx5_1:1")
+
+
+def test_a_server_accepting_several_keys_picks_the_clients_by_id():
+    """While a key is rotated a server accepts several stream keys by their deployment key's id: a client naming
+    an accepted id with its key connects; one naming an id the server does not hold is cut (control: the same
+    key under an accepted id connects, so the id is what decides)."""
+    keys = {b"old-key1": OTHER, b"new-key1": KEY}
+
+    def attempt(key_id: bytes, key: bytes):
+        a, b = socket.socketpair()
+        a.settimeout(5)
+        b.settimeout(5)
+        out = {}
+
+        def serve():
+            try:
+                out["server"] = ks.server_handshake(b, keys)
+            except Exception as exc:
+                out["server"] = exc
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            client = ks.client_handshake(a, key, key_id=key_id)
+        except Exception as exc:
+            client = exc
+        t.join(5)
+        a.close()
+        b.close()
+        return client, out["server"]
+
+    client, server = attempt(b"new-key1", KEY)
+    assert isinstance(client, ks.StreamConnection) and isinstance(server, ks.StreamConnection)
+    client, server = attempt(b"old-key1", OTHER)
+    assert isinstance(client, ks.StreamConnection) and isinstance(server, ks.StreamConnection)
+    client, server = attempt(b"unknown!", KEY)
+    assert isinstance(server, ks.StreamAuthError) and not isinstance(client, ks.StreamConnection)

@@ -30,7 +30,6 @@ from kvbridge.core.memory import WorkerMemory
 from kvbridge.runtime.host import has_nvidia_gpu, host_id, interface_of
 from kvbridge.runtime.staging import Stager
 from kvbridge.runtime.stream_server import KvStreamServer
-from kvbridge.transport.kv_stream import stream_key
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportConfig
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
@@ -148,7 +147,7 @@ class PrefillWorker:
         if self.key and self.mem_type == "DRAM":
             self.stream = KvStreamServer(
                 self.memory,
-                stream_key(self.key),
+                {k.key_id: k.stream for k in KeyRing.of(self.key).all},
                 self._stream_grant,
                 host=self.config.side_channel_host,
                 port=(

@@ -41,10 +41,11 @@ from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load
 from kvbridge.runtime.peers import Engine
 from kvbridge.transport import host_copy
-from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, StreamConnection, client_handshake, stream_key
+from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, StreamConnection, client_handshake
 from kvbridge.wire import messages as wire
 from kvbridge.wire import stream_messages as sm
 from kvbridge.wire.affinity import unpin_this_thread
+from kvbridge.wire.keys import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,8 @@ class StreamReads:
         self.identity = identity
         self.memory = memory
         self.config = config
-        self.key = stream_key(key)
+        current = KeyRing.of(key).current
+        self.key, self.key_id = current.stream, current.key_id
         self.mode = "encrypt" if config.kv_stream_encrypt else "integrity"
         self.loaded = loaded
         self.failed = failed
@@ -335,7 +337,7 @@ class StreamReads:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(timeout)
-            return client_handshake(sock, self.key, self.mode), False
+            return client_handshake(sock, self.key, self.mode, self.key_id), False
         except BaseException:
             sock.close()
             raise

@@ -23,7 +23,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,7 +103,7 @@ class KvStreamServer:
     def __init__(
         self,
         memory: WorkerMemory,
-        key: bytes,
+        key: bytes | Mapping[bytes, bytes],
         authorize: Callable[[sm.StreamRead], float | None],
         *,
         host: str = "127.0.0.1",
@@ -115,8 +115,9 @@ class KvStreamServer:
         stall_s: float = 30.0,
         name: str = "kv-stream",
     ) -> None:
-        """`key`: the channel's key (`transport.kv_stream.stream_key` of the deployment key). `authorize(request)`:
-        until when the request's reader may read those blocks (its claim's pin), or None: refused."""
+        """`key`: the channel's key, or its keys by deployment key id (`wire.keys.DeploymentKey.stream`).
+        `authorize(request)`: until when the request's reader may read those blocks (its claim's pin), or None:
+        refused."""
         self.memory = memory
         self.key = key
         self.authorize = authorize

@@ -31,6 +31,7 @@ import hmac
 import os
 import socket
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,7 +52,8 @@ RANDOM_BYTES = 32
 TAG = 16
 HEADER = struct.Struct(">IIB3x")  # payload bytes, frame index, kind
 _MODES: dict[str, int] = {"encrypt": 1, "integrity": 2}
-HELLO = struct.Struct(f">4sB{RANDOM_BYTES}s")  # magic, mode, client random
+KEY_ID_BYTES = 8
+HELLO = struct.Struct(f">4sB{KEY_ID_BYTES}s{RANDOM_BYTES}s")  # magic, mode, key id, client random
 ANSWER = struct.Struct(f">4sB{RANDOM_BYTES}s32s")  # magic, mode, server random, server confirmation
 CONFIRM = 32
 
@@ -64,7 +66,8 @@ class StreamAuthError(TransferError):
 
 
 def stream_key(master: bytes) -> bytes:
-    """The KV channel's key, derived from the deployment key `master` (the one place to point elsewhere later)."""
+    """The KV channel's key, derived from the deployment key `master` under `PURPOSE` (HKDF-SHA256): what
+    `wire.keys.DeploymentKey.stream` holds, for callers that have the master key's bytes alone."""
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=PURPOSE).derive(master)
 
 
@@ -116,10 +119,14 @@ def _send_all(sock: socket.socket, parts: list) -> None:
                 sent = 0
 
 
-def client_handshake(sock: socket.socket, key: bytes, mode: Mode = "encrypt") -> StreamConnection:
-    """Open a connection as the reader; StreamAuthError if the server does not prove `key` (the stream key)."""
+def client_handshake(
+    sock: socket.socket, key: bytes, mode: Mode = "encrypt", key_id: bytes = bytes(KEY_ID_BYTES)
+) -> StreamConnection:
+    """Open a connection as the reader; StreamAuthError if the server does not prove `key` (the stream key).
+    `key_id`: the public id of the deployment key it derives from (`wire.keys`), so that a server that accepts
+    several keys while one is rotated picks this one."""
     mine = os.urandom(RANDOM_BYTES)
-    hello = HELLO.pack(MAGIC, _MODES[mode], mine)
+    hello = HELLO.pack(MAGIC, _MODES[mode], key_id, mine)
     _send_all(sock, [hello])
     answer = _recv_bytes(sock, ANSWER.size)
     magic, their_mode, theirs, confirm = ANSWER.unpack(answer)
@@ -139,12 +146,21 @@ def client_handshake(sock: socket.socket, key: bytes, mode: Mode = "encrypt") ->
     return StreamConnection(sock, keys, mode)
 
 
-def server_handshake(sock: socket.socket, key: bytes, mode: Mode = "encrypt") -> StreamConnection:
-    """Accept a connection as the server; StreamAuthError (nothing more sent) unless the client proves `key`."""
+def server_handshake(
+    sock: socket.socket, key: bytes | Mapping[bytes, bytes], mode: Mode = "encrypt"
+) -> StreamConnection:
+    """Accept a connection as the server; StreamAuthError (nothing more sent) unless the client proves its key.
+    `key`: the stream key, or the stream keys this server accepts by their deployment key's id (the client names
+    one in its hello; an unknown id is cut unanswered)."""
     hello = _recv_bytes(sock, HELLO.size)
-    magic, their_mode, theirs = HELLO.unpack(hello)
+    magic, their_mode, key_id, theirs = HELLO.unpack(hello)
     if magic != MAGIC:
         raise StreamAuthError("kv stream: not a kv stream client")
+    if not isinstance(key, bytes | bytearray):
+        found = key.get(key_id)
+        if found is None:
+            raise StreamAuthError(f"kv stream: a client named a key this worker does not accept ({key_id.hex()})")
+        key = found
     mine = os.urandom(RANDOM_BYTES)
     head = struct.pack(f">4sB{RANDOM_BYTES}s", MAGIC, _MODES[mode], mine)
     if their_mode != _MODES[mode]:  # answered, so the client can name both modes; no key material in it

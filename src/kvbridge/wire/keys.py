@@ -43,6 +43,7 @@ FRAMES = b"kvbridge side-channel frames v3"
 PARAMS = b"kvbridge kv_transfer_params signature v2"
 TOKENS = b"kvbridge request tokens v1"
 KEY_ID = b"kvbridge key id v1"
+STREAM = b"kvbridge/kv-stream/v1"  # the KV channel's key (transport.kv_stream)
 
 
 def derive_key(master: bytes, purpose: bytes, length: int = 32) -> bytes:
@@ -83,6 +84,8 @@ class DeploymentKey:
     frames: bytes
     params: bytes
     tokens: bytes
+    stream: bytes
+    """The KV channel's key (`transport.kv_stream`): connections derive theirs from it."""
 
     @classmethod
     def derive(cls, master: bytes, field: str = "auth_key") -> DeploymentKey:
@@ -92,6 +95,7 @@ class DeploymentKey:
             derive_key(master, FRAMES),
             derive_key(master, PARAMS),
             derive_key(master, TOKENS),
+            derive_key(master, STREAM),
         )
 
     def __repr__(self) -> str:  # never the keys
