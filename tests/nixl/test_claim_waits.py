@@ -141,3 +141,26 @@ def test_the_waiting_claims_are_bounded(kept):
         assert out[0][1] > 0.9 if kept else out[0][1] < 0.2
     finally:
         worker.close()
+
+
+def test_the_block_ids_of_waiting_claims_are_bounded(monkeypatch):
+    """A few claims of the largest frames must not keep gigabytes: beyond MAX_WAITING_BLOCK_IDS block ids in all,
+    a claim of an unknown request is answered at once; the ids come back once a claim is answered."""
+    from kvbridge.runtime import prefill_worker
+
+    monkeypatch.setattr(prefill_worker, "MAX_WAITING_BLOCK_IDS", 3)
+    worker = make_prefill()
+    try:
+        out: list = []
+        first = ask(worker, claim("a", wait_s=0.5, blocks=(1, 2)), out)
+        time.sleep(0.2)
+        second: list = []
+        ask(worker, claim("b", wait_s=0.5, blocks=(1, 2)), second).join(5)  # 2 + 2 ids > 3: at once
+        assert second[0][0].reason is wire.Refusal.NOT_HELD and second[0][1] < 0.2
+        first.join(5)
+        assert out[0][1] > 0.4  # the first waited
+        third: list = []
+        ask(worker, claim("c", wait_s=0.3, blocks=(1, 2)), third).join(5)  # the first's ids were given back
+        assert third[0][1] > 0.25
+    finally:
+        worker.close()

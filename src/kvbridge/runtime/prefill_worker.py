@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+MAX_WAITING_BLOCK_IDS = 1 << 20
+"""Block ids that waiting claims may hold in all (about 36 MB as Python ints): with `max_waiting_claims` claims of
+the largest frames a flood could otherwise keep gigabytes; beyond it a claim is answered at once."""
+
 MAX_TIMELINES = 4096
 """Released requests' timelines kept until `take_phases` (vLLM's stats take them every step)."""
 
@@ -117,6 +121,7 @@ class PrefillWorker:
         self._expired_new = 0
         self._waiting: dict[str, list[_Waiting]] = {}  # claims waiting for their holds (under _lock)
         self._waiting_count = 0
+        self._waiting_ids = 0  # block ids the waiting claims hold (bounded by MAX_WAITING_BLOCK_IDS)
         self._times: dict[str, HoldTimes] = {}  # held requests' timelines (under _lock)
         self._hold_phases: list[tuple[float, float, float]] = []  # of requests released since `take_phases`
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
@@ -244,29 +249,37 @@ class PrefillWorker:
         """Keep a claim of a request not held yet until its hold comes (under _lock); None: answer now (held, no
         wait asked, or `max_waiting_claims` waiting already)."""
         wait_s = min(message.wait_s, self.config.claim_window_s)
+        ids = sum(map(len, message.groups))
         if (
             wait_s <= 0
             or self._leases.holds(message.request_id)
             or self._waiting_count >= self.config.max_waiting_claims
+            or self._waiting_ids + ids > MAX_WAITING_BLOCK_IDS
         ):
             return None
         later = Later()
         self._waiting.setdefault(message.request_id, []).append(_Waiting(message, later, now + wait_s))
         self._waiting_count += 1
+        self._waiting_ids += ids
         return later
 
     def _take_waiting(self, request_id: str) -> list[_Waiting]:
         waiting = self._waiting.pop(request_id, [])
-        self._waiting_count -= len(waiting)
+        self._forget_waiting(waiting)
         return waiting
+
+    def _forget_waiting(self, waiting: list[_Waiting]) -> None:
+        self._waiting_count -= len(waiting)
+        self._waiting_ids -= sum(sum(map(len, w.claim.groups)) for w in waiting)
 
     def _lapsed_waits(self, now: float) -> list[Later]:
         """Claims whose wait passed without their hold (under _lock): they are answered not held."""
         out = []
         for request_id in [r for r, ws in self._waiting.items() if any(w.until <= now for w in ws)]:
             keep = [w for w in self._waiting[request_id] if w.until > now]
-            out += [w.answer for w in self._waiting[request_id] if w.until <= now]
-            self._waiting_count -= len(self._waiting[request_id]) - len(keep)
+            lapsed = [w for w in self._waiting[request_id] if w.until <= now]
+            out += [w.answer for w in lapsed]
+            self._forget_waiting(lapsed)
             if keep:
                 self._waiting[request_id] = keep
             else:
