@@ -155,3 +155,8 @@ def test_serve_recomputes_failed_loads_by_default_and_a_flag_keeps_fail(monkeypa
     assert serve_spec().kv_transfer_config()["kv_load_failure_policy"] == "recompute"
     spec = serve_spec("--kv-load-failure-policy", "fail")
     assert spec.kv_transfer_config()["kv_load_failure_policy"] == "fail"
+
+
+def test_the_demo_servers_recompute_failed_loads(tmp_path):
+    server = demo._server("p", tmp_path, ParallelLayout.parse("pp=1,tp=1"), 0, tmp_path, None)
+    assert server.kv_transfer_config["kv_load_failure_policy"] == "recompute"
