@@ -24,6 +24,7 @@ from kvbridge.serving.launcher import free_base_port
 from kvbridge.transport import kv_stream as ks
 from kvbridge.wire import messages as wire
 from kvbridge.wire import stream_messages as sm
+from kvbridge.wire.keys import KeyRing
 from kvbridge.wire.params import PrefillDone
 
 pytestmark = pytest.mark.nixl
@@ -144,7 +145,8 @@ def _stream_read(port: int, key: bytes, request: sm.StreamRead) -> tuple[list, E
     frames: list = []
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     try:
-        conn = ks.client_handshake(sock, ks.stream_key(key))
+        current = KeyRing.of(key).current  # the key a decode worker sends with, named by its id
+        conn = ks.client_handshake(sock, current.stream, key_id=current.key_id)
         conn.send(ks.KIND_MESSAGE, 0, sm.encode(request))
         while True:
             kind, index, payload = conn.recv(1 << 24)
@@ -233,7 +235,11 @@ def test_without_the_key_the_channel_sends_nothing_but_its_handshake(pair):
     assert frames == [] and isinstance(err, ks.StreamAuthError)
     # a raw client that never proves the key: 4 + 1 + 32 + 32 bytes and then the connection is closed
     sock = socket.create_connection(("127.0.0.1", pair.prefill.stream.port), timeout=5)
-    sock.sendall(ks.HELLO.pack(ks.MAGIC, 1, bytes(32)) + bytes(32) + sm.encode(_request(pair, request_id, token, src)))
+    sock.sendall(
+        ks.HELLO.pack(ks.MAGIC, 1, bytes(ks.KEY_ID_BYTES), bytes(32))
+        + bytes(32)
+        + sm.encode(_request(pair, request_id, token, src))
+    )
     got = b""
     while chunk := sock.recv(1 << 16):
         got += chunk

@@ -156,13 +156,14 @@ def server_handshake(
     magic, their_mode, key_id, theirs = HELLO.unpack(hello)
     if magic != MAGIC:
         raise StreamAuthError("kv stream: not a kv stream client")
-    if not isinstance(key, bytes | bytearray):
-        found = key.get(key_id)
-        if found is None:
-            raise StreamAuthError(f"kv stream: a client named a key this worker does not accept ({key_id.hex()})")
-        key = found
     mine = os.urandom(RANDOM_BYTES)
     head = struct.pack(f">4sB{RANDOM_BYTES}s", MAGIC, _MODES[mode], mine)
+    if not isinstance(key, bytes | bytearray):
+        found = key.get(key_id)
+        if found is None:  # answered without a confirmation: the client says the key was not proven
+            _send_all(sock, [head + bytes(CONFIRM)])
+            raise StreamAuthError(f"kv stream: a client named a key this worker does not accept ({key_id.hex()})")
+        key = found
     if their_mode != _MODES[mode]:  # answered, so the client can name both modes; no key material in it
         _send_all(sock, [head + bytes(CONFIRM)])
         raise StreamAuthError(f"kv stream: a client asked for mode {their_mode}, this worker serves {mode!r}")
