@@ -1,7 +1,8 @@
-"""The attacks of the issue-15 review (2026-12-01), against a real PrefillWorker's side channel (real NIXL agent,
+"""Attacks on the transport of the side channel, against a real PrefillWorker's side channel (real NIXL agent,
 real ZMQ, loopback), each bounded in count and time:
-- a2: an on-path observer of one legit handshake read the NIXL agent metadata and a claim's token in clear;
-- a9: a sealed request captured on its way to one worker was answered by another host's worker on the same port;
+- an on-path observer of one legit handshake must not read the NIXL agent metadata or a claim's token;
+- a sealed request captured on its way to one worker must not be answered by another host's worker on the same
+  port;
 - old-format (version-2, `KVB1`) sealed frames are dropped and counted, not answered.
 """
 
@@ -258,7 +259,7 @@ def test_idle_connections_from_a_key_holders_own_address_do_not_cut_it(trust, mo
 
 
 def test_dropped_frames_are_reported_at_a_bounded_rate(caplog):
-    """Issue 15 (LOW): dropped frames were only counted. Now the server logs them with totals by reason, once at
+    """Dropped frames are counted, and the server logs them with totals by reason, once at
     the first and then at most once every `drop_warning_s`: 50 forged frames give one line; the control: after
     the interval the next drop is reported again."""
     import logging

@@ -245,8 +245,8 @@ def many_silent_then_healthy(workers, engines: int = 20) -> float:
 
 
 def test_handshakes_to_many_silent_engines_do_not_hold_the_claims_of_a_connected_one(workers):
-    """Issue 15, a5[2] (MEDIUM): 20 silent engines' handshakes filled the 8 control threads, so a load from a
-    connected healthy engine failed 'not started after 10 s'. Handshakes now have their own pool (4 threads here):
+    """With one shared pool, 20 silent engines' handshakes filled the 8 control threads, so a load from a
+    connected healthy engine failed 'not started after 10 s'. Handshakes have their own pool (4 threads here):
     the healthy load is reported at once."""
     took = many_silent_then_healthy(workers)
     print(f"healthy load beside 20 silent engines' handshakes: {1000 * took:.1f} ms")

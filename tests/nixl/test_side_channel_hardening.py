@@ -182,7 +182,7 @@ def test_a_handshake_answered_by_another_engine_is_refused(keyed_worker):
     """The engine cache was keyed by engine id alone and the reply's engine id never
     compared, so a fake side channel could stand in for a real engine. Now a reply must come from the engine the
     params name, and engines are cached by (engine id, host, port, DP rank). Params naming engine 'victim' at
-    the address of engine 'p' are refused; since issue 15 (a9) before any answer: the sealed request is bound to
+    the address of engine 'p' are refused before any answer: the sealed request is bound to
     engine 'victim', so 'p' drops it as misaddressed (a key-holding impostor that ignored the binding would still
     fail the engine-id check); the control: the same address under its own id connects."""
     from concurrent.futures import ThreadPoolExecutor
