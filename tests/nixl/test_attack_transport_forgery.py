@@ -130,8 +130,8 @@ def observe(worker: PrefillWorker, key: bytes | None) -> tuple[bytes, wire.Hands
 
 
 def test_an_observer_of_a_legit_handshake_and_claim_learns_no_metadata_and_no_token():
-    """a2 (HIGH): sealed bodies were plaintext behind a MAC, so the NIXL agent metadata (then READ/WRITE of all KV)
-    and the claim's token travelled in clear. Now they are encrypted: neither the metadata, nor the agent's name,
+    """Sealed bodies are encrypted, not plaintext behind a MAC (which lets an observer take the NIXL agent metadata,
+    then READ/WRITE all KV, and the claim's token): neither the metadata, nor the agent's name,
     nor the token appears in anything the observer saw, while the legit peer's handshake and claim succeed."""
     worker = make_worker(KEY)
     try:
@@ -175,9 +175,9 @@ def two_hosts():
 
 
 def test_a_request_captured_on_its_way_to_one_worker_is_not_answered_by_another(two_hosts):
-    """a9 (HIGH): a sealed request was bound to the destination port only, so a frame captured on its way to
-    127.0.0.1:P was answered by another host's worker on 127.0.0.2:P (with its NIXL metadata). Now it is bound to
-    the worker's identity (engine id, dp/pp/tp, port): the other worker drops it, counted as misaddressed; the
+    """Bound to the destination port only, a frame captured on its way to 127.0.0.1:P would be answered by another
+    host's worker on 127.0.0.2:P (with its NIXL metadata). A sealed request is bound to the worker's identity
+    (engine id, dp/pp/tp, port): the other worker drops it, counted as misaddressed; the
     control: a request sealed for the other worker is answered by it, and the captured one by its own."""
     a, b = two_hosts
     legit = Sealer(KEY)
@@ -216,8 +216,8 @@ def test_an_old_format_sealed_frame_is_dropped_and_counted():
 
 @pytest.mark.parametrize("trust", [True, False])
 def test_idle_connections_from_a_key_holders_own_address_do_not_cut_it(trust, monkeypatch):
-    """a11 (MEDIUM-HIGH): 128 idle unauthenticated connections from the legit peer's own address locked it out
-    (the bound per address cut every new connection, the peer's too). Now the oldest connection that never sent an
+    """128 idle unauthenticated connections from the legit peer's own address must not lock it out (a bound per
+    address that cuts every new connection cuts the peer's too): the oldest connection that never sent an
     authenticated frame is cut: with a bound of 8 per address, a key holder's open connection survives 12 idle ones
     from its address, a fresh keyed exchange is answered, and the oldest idle ones are the ones cut (5 cuts: 13
     connections, 8 kept). Negative control (trust=False: authenticated frames are not noted): the key holder's
