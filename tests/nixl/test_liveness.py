@@ -3,7 +3,8 @@
 A decode worker and a healthy prefill worker live in this process (two NIXL agents over UCX on loopback); a
 "silent" prefill engine is a ZMQ socket that takes every message and never answers (a host that swallows
 packets). Loads from the healthy engine are timed alone, then with loads to the silent engine queued ahead of
-them: before the control pool, every healthy load waited out the silent engine's handshake timeouts.
+them: with handshakes on the transfer thread (no control pool), every healthy load would wait out the silent
+engine's handshake timeouts.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def latencies(workers) -> tuple[list[float], list[float]]:
 
 @pytest.mark.parametrize("workers", [(1, 0)], indirect=True)
 def test_negative_control_with_one_control_thread_the_silent_engine_does_delay_them(workers):
-    """The oracle can tell: with the handshake and the claims on one thread (as the old transfer thread did
-    them), the first healthy load waits for the silent engine's handshake to time out."""
+    """The oracle can tell: with the handshake and the claims on one thread (a transfer thread that does
+    both), the first healthy load waits for the silent engine's handshake to time out."""
     _, beside = latencies(workers)
     assert max(beside) > 1.0
 
