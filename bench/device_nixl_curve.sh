@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On nvidia-h200 (one GPU), through the device tool with carry [".whl"], from the repository root:
+# On a GPU machine (one H200), the wheels in .whl/ (docs/benchmarks/device-runs.md), from the repository root:
 #   bash bench/device_nixl_curve.sh
 # 1. bench/nixl_curve.py in DRAM (UCX self,sm,cma,tcp between two processes): the GB/s curve,
 #    block size 16/64/128 x TP same/2:1/1:2/4:1 x 8k/1k/32k tokens, kvbridge vs NixlConnector-style prepared lists

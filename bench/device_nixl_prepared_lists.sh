@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On nvidia-h200 (one GPU), run through the device tool with carry [".whl"], from the repository root:
+# On a GPU machine (one H200), the wheels in .whl/ (docs/benchmarks/device-runs.md), from the repository root:
 #   bash bench/device_nixl_prepared_lists.sh
-# 1. tests/gpu/test_gpu_runtime.py (the decode runtime after its split into runtime/nixl_reads.py and ipc_reads.py);
+# 1. tests/gpu/test_gpu_runtime.py (the decode runtime: runtime/nixl_reads.py and ipc_reads.py);
 # 2. bench/gpu_transfer.py, scattered and contiguous 8k-token requests, NIXL three ways side by side (per-request
 #    initialize_xfer, prepared lists, one contiguous region of the same bytes), for each place of the prefill
 #    agent on one GPU (--nixl-peer agent/self/process);

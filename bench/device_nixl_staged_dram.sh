@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The staged NIXL path on the device machine (nvidia-h200, host DRAM; through the device tool with carry [".whl"],
+# The staged NIXL path on a GPU machine (one H200, host DRAM; the wheels in .whl/, docs/benchmarks/device-runs.md;
 # from the repository root):  bash bench/device_nixl_staged_dram.sh
 # bench/nixl_staged.py: direct vs staged vs the one-descriptor anchor, side by side, scattered 8k-token requests,
 # block 16/64/128 x TP same/2:1/1:2/4:1, between two processes, twice: UCX cma (self,sm,cma,tcp) and UCX tcp on

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The staged NIXL path in GPU memory on the device machine (nvidia-h200, one GPU; through the device tool with carry
-# [".whl-min"], from the repository root):
+# The staged NIXL path in GPU memory on a GPU machine (one H200; the wheels in .whl-min/,
+# docs/benchmarks/device-runs.md; from the repository root):
 #   bash bench/device_nixl_staged_vram.sh          # the GPU tests, then every cell: block 16/64/128 x TP same/2:1/1:2/4:1
 #   BENCH_ONLY=1 CHUNK2_KIB=16384 bash bench/device_nixl_staged_vram.sh   # no tests; block 16 again at 16 MiB chunks
 #   DRY=1 bash bench/device_nixl_staged_vram.sh    # the staged GPU tests and one cell (block 16, same), chunk 8 and 32 MiB

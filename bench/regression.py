@@ -7,8 +7,8 @@ measurement alternates between the two trees, so that both see the same machine 
 - `cpu`: disaggregated prefill/decode through real vLLM servers (CPU, the tiny seeded model; prefill workers on
   core 0, decode workers on core 1), the servers importing kvbridge from the commit's tree. Per request: TTFT,
   its prefill leg, its decode leg (TTFT minus the prefill leg), and from the decode server's metrics the KV bytes
-  and `vllm:kvbridge_transfer_seconds` (a commit's own meaning: on this branch claim sent -> data landed, before
-  it job queued -> completion). Runs `--runs` rounds per pair, the commits' order turning each round. Wrap in
+  and `vllm:kvbridge_transfer_seconds` (a commit's own meaning: claim sent -> data landed from 58b7562 on, job
+  queued -> completion before it). Runs `--runs` rounds per pair, the commits' order turning each round. Wrap in
   `flock /tmp/kvbridge-vllm.lock` on a shared machine.
 - `gpu`: `bench/gpu_workers.py` of each commit's own tree (its runtime, its scenario), the same arguments, rounds
   alternating; per (pair, path, claims) the warm load, the time to posting (job -> READs posted or kernels

@@ -5,7 +5,7 @@ Each round runs one subprocess per tree (alternating, `--rounds` times): a `Side
 round trip of each subprocess are compared (ratio of the medians over rounds). Used to check what the side
 channel's peer watch (`wire/peer_watch.py`: a ZMQ monitor per client socket) costs a claim.
 
-    flock /tmp/kvbridge-vllm.lock python bench/side_channel_rtt.py --base /work/main/src --new src \\
+    flock /tmp/kvbridge-vllm.lock python bench/side_channel_rtt.py --base ../base/src --new src \\
         --out bench/results/side-channel-rtt-<stamp>.json
 """
 

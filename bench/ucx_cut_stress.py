@@ -26,7 +26,8 @@ Policies (what the decode side does with its xfer handles):
 --barrier-s S: before any removal of the prefill agent (and before close), one flush READ from it
   (NixlTransport.post_flush, what runtime/nixl_reads.py now posts: 64 bytes into a scratch buffer, no
   notification), waited for up to S: the prefill has no GET replies queued towards us once it is done
-  (runs before 2026-12-01 20:36 read 64 bytes into block 0 with a notification instead)
+  (the results ucx-cut-barrier-drop-settle-* and ucx-cut-ab-close-* used another barrier: a 64-byte READ into
+  block 0 with a notification)
 --linger-s S: before the drop or close, keep the endpoint open and polled for S (the time-based alternative)
 --restart-each: a fresh prefill process for each cut (a guess to test: UCX's request pool grows from unzeroed memory
   on a fresh process's first cuts, and the purge reads a field the GET-reply request never sets)

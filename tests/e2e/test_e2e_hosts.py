@@ -169,7 +169,7 @@ UCX_TCP_PURGE_CRASH = (
     " endpoint with answers still queued at the prefill, and the decode now posts a flush READ first"
     " (docs/benchmarks/link-cut.md);"
     " what failed the endpoint in this test is not known (no endpoint is closed before its asserts), so the flush is"
-    " not shown to cover it: 5 of 5 passed after it (2026-12-01), too few against 1 in 4"
+    " not shown to cover it: 5 of 5 runs with the flush passed, too few against 1 in 4"
 )
 
 

@@ -123,7 +123,7 @@ def edited(params: dict, key: bytes | None = None, **changes) -> dict:
 
 
 def test_a_decode_with_another_prompts_params_computes_its_own(servers):
-    """The review's reproduction: same length, other tokens. Refused before any connection; the answer is the
+    """Params of another prompt of the same length (other tokens). Refused before any connection; the answer is the
     request's own continuation; the counter says why; and the params' owner still loads them afterwards."""
     decode = servers["decode"]
     a, b = prompt(1), prompt(2)
@@ -265,8 +265,8 @@ def handshake_request() -> wire.HandshakeRequest:
 
 def test_the_side_channel_answers_no_one_without_the_key(servers):
     """An outsider asking for the handshake (NIXL metadata, the memory map) gets no answer at all, with no key or
-    a wrong one, nor a key holder's request addressed to another worker on this port (issue 15, a9); the same
-    request sealed with the deployment key for this worker is answered (the control)."""
+    a wrong one, nor a key holder's request addressed to another worker on this port (a captured sealed request
+    replayed to this one); the same request sealed with the deployment key for this worker is answered (the control)."""
     port = servers["port"]
     params = prefill_params(servers, prompt(22))
     me = (params["remote_engine_id"], params["remote_dp_rank"], 0, 0)

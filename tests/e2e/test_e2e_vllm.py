@@ -98,7 +98,7 @@ def test_bad_params_fall_back_to_local_prefill(servers):
 
 
 def test_reordered_blocks_are_refused_without_a_key(servers):
-    """Keyless params with their block list reversed (the review of 2026-12-01, probe D: HTTP 200, the KV of other
+    """Keyless params with their block list reversed (without the digest check: HTTP 200, the KV of other
     positions, and that wrong KV then cached under the prompt by the decode's prefix cache): the prefill's claim
     check refuses them (the list's digest is not the one it published), so the request fails visibly (vLLM's
     default kv_load_failure_policy, "fail"), nothing is loaded, and a later plain request for the prompt is right.

@@ -382,7 +382,7 @@ def logprob_rows(choice: Any) -> tuple[list[str], list[float], list[dict[str, fl
 
 @heavy
 def test_echo_logprobs_and_min_tokens_through_the_proxy_equal_the_aggregated_server(stack):
-    """The fields the PD split changes (issue 14, item 2): `echo` (the prefill leg drops it, the decode server
+    """The fields the PD split changes: `echo` (the prefill leg drops it, the decode server
     prepends the prompt), `logprobs` (computed by the decode server on the loaded KV: token ids equal, values
     within 1e-4) and `min_tokens` (dropped from the prefill leg of max_tokens=1). Each on the PD path: the KV moved."""
     pd, ref, model, decode = stack["pd"], stack["ref"], stack["model"], stack["decode_url"]

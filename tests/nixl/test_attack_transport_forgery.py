@@ -1,7 +1,8 @@
-"""The attacks of the issue-15 review (2026-12-01), against a real PrefillWorker's side channel (real NIXL agent,
+"""Attacks on the transport of the side channel, against a real PrefillWorker's side channel (real NIXL agent,
 real ZMQ, loopback), each bounded in count and time:
-- a2: an on-path observer of one legit handshake read the NIXL agent metadata and a claim's token in clear;
-- a9: a sealed request captured on its way to one worker was answered by another host's worker on the same port;
+- an on-path observer of one legit handshake must not read the NIXL agent metadata or a claim's token;
+- a sealed request captured on its way to one worker must not be answered by another host's worker on the same
+  port;
 - old-format (version-2, `KVB1`) sealed frames are dropped and counted, not answered.
 """
 
@@ -129,8 +130,8 @@ def observe(worker: PrefillWorker, key: bytes | None) -> tuple[bytes, wire.Hands
 
 
 def test_an_observer_of_a_legit_handshake_and_claim_learns_no_metadata_and_no_token():
-    """a2 (HIGH): sealed bodies were plaintext behind a MAC, so the NIXL agent metadata (then READ/WRITE of all KV)
-    and the claim's token travelled in clear. Now they are encrypted: neither the metadata, nor the agent's name,
+    """Sealed bodies are encrypted, not plaintext behind a MAC (which lets an observer take the NIXL agent metadata,
+    then READ/WRITE all KV, and the claim's token): neither the metadata, nor the agent's name,
     nor the token appears in anything the observer saw, while the legit peer's handshake and claim succeed."""
     worker = make_worker(KEY)
     try:
@@ -174,9 +175,9 @@ def two_hosts():
 
 
 def test_a_request_captured_on_its_way_to_one_worker_is_not_answered_by_another(two_hosts):
-    """a9 (HIGH): a sealed request was bound to the destination port only, so a frame captured on its way to
-    127.0.0.1:P was answered by another host's worker on 127.0.0.2:P (with its NIXL metadata). Now it is bound to
-    the worker's identity (engine id, dp/pp/tp, port): the other worker drops it, counted as misaddressed; the
+    """Bound to the destination port only, a frame captured on its way to 127.0.0.1:P would be answered by another
+    host's worker on 127.0.0.2:P (with its NIXL metadata). A sealed request is bound to the worker's identity
+    (engine id, dp/pp/tp, port): the other worker drops it, counted as misaddressed; the
     control: a request sealed for the other worker is answered by it, and the captured one by its own."""
     a, b = two_hosts
     legit = Sealer(KEY)
@@ -215,8 +216,8 @@ def test_an_old_format_sealed_frame_is_dropped_and_counted():
 
 @pytest.mark.parametrize("trust", [True, False])
 def test_idle_connections_from_a_key_holders_own_address_do_not_cut_it(trust, monkeypatch):
-    """a11 (MEDIUM-HIGH): 128 idle unauthenticated connections from the legit peer's own address locked it out
-    (the bound per address cut every new connection, the peer's too). Now the oldest connection that never sent an
+    """128 idle unauthenticated connections from the legit peer's own address must not lock it out (a bound per
+    address that cuts every new connection cuts the peer's too): the oldest connection that never sent an
     authenticated frame is cut: with a bound of 8 per address, a key holder's open connection survives 12 idle ones
     from its address, a fresh keyed exchange is answered, and the oldest idle ones are the ones cut (5 cuts: 13
     connections, 8 kept). Negative control (trust=False: authenticated frames are not noted): the key holder's
@@ -258,7 +259,7 @@ def test_idle_connections_from_a_key_holders_own_address_do_not_cut_it(trust, mo
 
 
 def test_dropped_frames_are_reported_at_a_bounded_rate(caplog):
-    """Issue 15 (LOW): dropped frames were only counted. Now the server logs them with totals by reason, once at
+    """Dropped frames are counted, and the server logs them with totals by reason, once at
     the first and then at most once every `drop_warning_s`: 50 forged frames give one line; the control: after
     the interval the next drop is reported again."""
     import logging

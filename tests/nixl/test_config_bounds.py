@@ -1,5 +1,5 @@
-"""Every bound a peer or client controls is a `BridgeConfig` key (issue 15: "defaults that are safe; all
-configurable"): the defaults are the modules' values, an out-of-range value refuses to start naming the key, and a
+"""Every bound a peer or client controls is a `BridgeConfig` key (safe defaults, all
+configurable): the defaults are the modules' values, an out-of-range value refuses to start naming the key, and a
 changed value takes effect where the bound is enforced (real PrefillWorker and side channel, real NIXL agent). The
 proxy's bounds (`ProxyConfig`, its flags) are checked in tests/unit/test_proxy_config.py.
 """

@@ -1,4 +1,4 @@
-"""Legitimate PD traffic keeps working while the prefill's side channel is attacked (issue 15, item 6).
+"""Legitimate PD traffic keeps working while the prefill's side channel is attacked.
 
 A keyed prefill worker and a keyed decode worker live in this process (two real NIXL agents over UCX on loopback,
 real ZMQ side channels) and move one request after another: each reads 8 seeded, scattered blocks into 8 others,

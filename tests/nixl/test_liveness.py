@@ -3,7 +3,8 @@
 A decode worker and a healthy prefill worker live in this process (two NIXL agents over UCX on loopback); a
 "silent" prefill engine is a ZMQ socket that takes every message and never answers (a host that swallows
 packets). Loads from the healthy engine are timed alone, then with loads to the silent engine queued ahead of
-them: before the control pool, every healthy load waited out the silent engine's handshake timeouts.
+them: with handshakes on the transfer thread (no control pool), every healthy load would wait out the silent
+engine's handshake timeouts.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def latencies(workers) -> tuple[list[float], list[float]]:
 
 @pytest.mark.parametrize("workers", [(1, 0)], indirect=True)
 def test_negative_control_with_one_control_thread_the_silent_engine_does_delay_them(workers):
-    """The oracle can tell: with the handshake and the claims on one thread (as the old transfer thread did
-    them), the first healthy load waits for the silent engine's handshake to time out."""
+    """The oracle can tell: with the handshake and the claims on one thread (a transfer thread that does
+    both), the first healthy load waits for the silent engine's handshake to time out."""
     _, beside = latencies(workers)
     assert max(beside) > 1.0
 
@@ -245,8 +246,8 @@ def many_silent_then_healthy(workers, engines: int = 20) -> float:
 
 
 def test_handshakes_to_many_silent_engines_do_not_hold_the_claims_of_a_connected_one(workers):
-    """Issue 15, a5[2] (MEDIUM): 20 silent engines' handshakes filled the 8 control threads, so a load from a
-    connected healthy engine failed 'not started after 10 s'. Handshakes now have their own pool (4 threads here):
+    """With one shared pool, 20 silent engines' handshakes filled the 8 control threads, so a load from a
+    connected healthy engine failed 'not started after 10 s'. Handshakes have their own pool (4 threads here):
     the healthy load is reported at once."""
     took = many_silent_then_healthy(workers)
     print(f"healthy load beside 20 silent engines' handshakes: {1000 * took:.1f} ms")

@@ -1,9 +1,9 @@
 """NIXL notifications are not sealed: a peer that reaches a prefill worker's NIXL agent (its metadata leaked, or
-forged from its own as the transport-forgery attack did) sent 2,000 notifications for ids nobody holds; they filled
-the early-notification table (1,024 entries), and a key holder's notification with the right token, arriving
-before its request's hold, was then refused and the request left held until its lease ran out.
+forged from its own) can send 2,000 notifications for ids nobody holds. Unchecked, they fill the
+early-notification table (1,024 entries), and a key holder's notification with the right token, arriving before
+its request's hold, is then refused and the request left held until its lease runs out.
 
-Now a notification for a request not yet held is kept only if its token is a MAC of the request's id under the
+A notification for a request not yet held is kept only if its token is a MAC of the request's id under the
 deployment key (`wire.keys.request_token`), and one without a token is ignored: the flood takes no room, and the key
 holder's notification frees the request as soon as it is held. Real NIXL agents on loopback."""
 

@@ -123,7 +123,8 @@ def test_a_flood_of_unauthenticated_and_oversized_frames_is_dropped_without_memo
 
 
 def test_a_flood_of_notifications_for_unknown_requests_stays_bounded(keyed):
-    """Review §4.4: 150 Notify messages for never-held ids cost +222 MB. Now an unknown id costs a bounded entry."""
+    """150 Notify messages for never-held ids must not cost memory (unbounded: +222 MB): an unknown id costs a
+    bounded entry."""
     before = rss_mb()
     sealer = Sealer(KEY)
     from kvbridge.wire.side_channel import SideChannelClient

@@ -98,8 +98,8 @@ def has_external_ipv4() -> bool:
 
 
 def test_a_default_prefill_worker_listens_on_loopback_only():
-    """With kvbridge's defaults UCX listened on the machine's external address too (192.0.2.2:41145).
-    Now every listener of a default worker (side channel and UCX) is on loopback. The negative control: with
+    """Left to its own defaults UCX listens on the machine's external address too (192.0.2.2:41145).
+    Every listener of a default worker (side channel and UCX) is on loopback. The negative control: with
     `ucx_net_devices: all` (and the opt-in it needs, `ucx_tcp_exposes_process_memory`) the same check sees a
     listener on another address (where the machine has one)."""
     default = listening_addresses({})
@@ -154,8 +154,8 @@ def keyed_worker():
 
 
 def test_a_claim_without_the_token_does_not_tell_held_ids_from_unknown_ones(keyed_worker):
-    """Unchecked, claims answered 'is not held by ...' for unknown ids and 'blocks [..] are not request X's' for
-    held ones, so two claims revealed which ids were held and which blocks they had. Now, without the request's
+    """Unchecked, claims answer 'is not held by ...' for unknown ids and 'blocks [..] are not request X's' for
+    held ones, so two claims reveal which ids are held and which blocks they have. Without the request's
     token, a held id, an unknown id and a held id with other blocks get the same answer; the control: the token
     holder's claim is acknowledged."""
     keyed_worker.hold("held", ((1, 2, 3),), token="t" * 32, prompt_hash="h")
@@ -179,10 +179,10 @@ def test_a_claim_without_the_token_does_not_tell_held_ids_from_unknown_ones(keye
 
 
 def test_a_handshake_answered_by_another_engine_is_refused(keyed_worker):
-    """The engine cache was keyed by engine id alone and the reply's engine id never
-    compared, so a fake side channel could stand in for a real engine. Now a reply must come from the engine the
+    """An engine cache keyed by engine id alone, with the reply's engine id never compared, would let a fake
+    side channel stand in for a real engine. A reply must come from the engine the
     params name, and engines are cached by (engine id, host, port, DP rank). Params naming engine 'victim' at
-    the address of engine 'p' are refused; since issue 15 (a9) before any answer: the sealed request is bound to
+    the address of engine 'p' are refused before any answer: the sealed request is bound to
     engine 'victim', so 'p' drops it as misaddressed (a key-holding impostor that ignored the binding would still
     fail the engine-id check); the control: the same address under its own id connects."""
     from concurrent.futures import ThreadPoolExecutor

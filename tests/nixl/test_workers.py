@@ -162,9 +162,9 @@ class _Guarded:
 
 
 def test_the_lease_book_is_only_touched_under_the_lock():
-    """Review §3.8: `_run` read `_leases.held` outside the lock while the step thread mutated the dict (the
-    background thread died of `dictionary changed size during iteration`). Every access now holds the lock,
-    taken by the thread that makes it."""
+    """Reading `_leases.held` outside the lock while the step thread mutates the dict kills the background thread
+    (`dictionary changed size during iteration`). Every access holds the lock, taken by the thread that makes
+    it."""
     lock = _OwnedLock()
     prefill = make_prefill(lock)
     try:

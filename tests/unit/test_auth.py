@@ -205,7 +205,7 @@ def test_prompt_hash_is_stable_and_order_sensitive():
 
 
 def test_a_sealed_frame_hides_its_body_and_is_bound_to_its_destination():
-    """Protocol 3 (issue 15): the body is encrypted (not in the frame; two seals of one body differ), the request
+    """Protocol 3: the body is encrypted (not in the frame; two seals of one body differ), the request
     is bound to a destination identity (another one's server drops it, counted as misaddressed), the answer to
     its request's nonce, and a flipped ciphertext byte fails the MAC. Control: the right destination opens it."""
     from kvbridge.wire.auth import destination

@@ -1,4 +1,4 @@
-"""vLLM 0.32's kernel-block split (review §3.4) is refused at startup, with the views vLLM itself builds.
+"""vLLM 0.32's kernel-block split is refused at startup, with the views vLLM itself builds.
 
 When the attention backend's kernel block is smaller than the manager's block, vLLM hands the connector layer
 tensors of `num_blocks * ratio` kernel blocks; reading manager block b as kernel block b would load other

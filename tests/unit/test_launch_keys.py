@@ -137,8 +137,8 @@ def test_serve_without_a_key_must_be_asked_for_and_warns_loudly(monkeypatch, tmp
 
 
 def test_serve_refuses_a_keyless_side_channel_beyond_loopback_up_front(monkeypatch, tmp_path):
-    """Issue 15 (LOW): `kvbridge serve --insecure-no-key --kv-extra side_channel_host=0.0.0.0` printed a command
-    (the refusal came only once vLLM loaded the connector). Now the spec itself refuses, dry-run included, for
+    """`kvbridge serve --insecure-no-key --kv-extra side_channel_host=0.0.0.0` is refused by the spec itself, not
+    only once vLLM loads the connector (which would print a command that cannot work): it refuses, dry-run included, for
     the roles that serve a side channel; the controls: with a key, on loopback, or as a decode it is accepted."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     wide = ("--kv-extra", "side_channel_host=0.0.0.0")

@@ -1,4 +1,4 @@
-"""Nothing is reported done or failed while a READ may still write (issue 14, item 4).
+"""Nothing is reported done or failed while a READ may still write.
 
 A unit test of ordering in `runtime.nixl_reads.NixlReads`: its transport is replaced by a fake that records every
 call, so the test decides when NIXL accepts a release and when a READ's DMA ends. The real NIXL behaviour this

@@ -120,7 +120,7 @@ def test_a_plain_prompt_keeps_the_tokens_only_hash_and_extras_are_unambiguous():
 
 
 def test_block_ids_beyond_any_kv_cache_are_refused_when_parsed():
-    """Review probe #16: block id 2**63 passed the parser and raised OverflowError in the transfer thread."""
+    """Block id 2**63 is refused by the parser, not an OverflowError in the transfer thread."""
     from kvbridge.core.errors import RequestParamsError
     from kvbridge.wire.params import parse_prefill_done
 

@@ -5,7 +5,7 @@ backends (raw ASGI apps under uvicorn, in threads, on 127.0.0.1) that record wha
 disconnects; and one test with real vLLM servers (a prefill server pp=2 and a decode server pp=1 started with
 `kvbridge serve`) behind the `kvbridge proxy` command.
 
-The fakes and helpers here are shared by test_proxy_fanout.py (lists of prompts, n, merged streams),
+The fake backends (tests/support/proxy.py) also serve test_proxy_fanout.py (lists of prompts, n, merged streams),
 test_proxy_release.py (prefill KV released when its decode leg fails) and test_proxy_bounds.py (limits for
 clients); test_openai_client.py runs the official client against real servers.
 """

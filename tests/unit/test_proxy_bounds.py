@@ -1,4 +1,4 @@
-"""Bounds for clients (review 2026-12-01 §6): slow heads and bodies are cut, bodies and headers are bounded,
+"""Bounds for clients: slow heads and bodies are cut, bodies and headers are bounded,
 pathological JSON is a 400 (never a 500), connections and requests at once are limited, x-request-id is bounded,
 and /health says nothing about the backends but counts. Each bound has a negative control: the same client
 within the bound is served (or, for slowness, kept while the deadline is long).

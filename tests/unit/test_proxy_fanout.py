@@ -446,7 +446,7 @@ def test_one_failing_sub_request_fails_the_request_with_its_error():
 
 
 def test_prompts_times_choices_are_bounded_together():
-    """The security review's amplification: 64 prompts x n=16 made 1,024 prefill legs from one 510-byte body.
+    """Amplification: unbounded, 64 prompts x n=16 make 1,024 prefill legs from one 510-byte body.
     Prompts x choices may not exceed the larger of the two limits."""
     limits = {"max_prompts": 64, "max_n": 16}
     body = {"model": "m", "max_tokens": 4, "temperature": 1.0, "prompt": [[1, 2]] * 8, "n": 8}

@@ -295,7 +295,7 @@ def test_every_worker_of_a_layout_serves_on_its_own_port() -> None:
             server.close()
 
 
-def test_the_seed_bug_is_caught_by_the_target_check() -> None:
+def test_ports_computed_without_the_pp_rank_are_caught_by_the_target_check() -> None:
     """A decode side computing ports without the pp rank reaches pp0's worker when it means pp1's."""
 
     def make(base: int) -> dict[object, sc.SideChannelServer]:

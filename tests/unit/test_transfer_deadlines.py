@@ -1,4 +1,4 @@
-"""A slow transport gives slow loads, not failed ones (issue 17, item 3).
+"""A slow transport gives slow loads, not failed ones.
 
 A load's deadline is `transfer_timeout_s` plus the bytes in flight at the decode worker when it is queued (its
 own and those queued before it) at a floor rate, capped; the claim pins the request on the prefill side for what
@@ -152,7 +152,7 @@ def blocks_equal(buffers) -> bool:
     return True
 
 
-def test_a_load_that_would_miss_a_fixed_deadline_now_succeeds(workers, caplog):
+def test_a_load_that_would_miss_a_fixed_deadline_succeeds_within_its_own(workers, caplog):
     prefill, decode, port, buffers = workers
     nbytes = 2 * block_bytes(decode.memory)
     decode.budget.floor_bytes_per_s = nbytes / 2.0  # its bytes add 2 s: 2.5 s in all, against SLOW_S
@@ -168,7 +168,7 @@ def test_a_load_that_would_miss_a_fixed_deadline_now_succeeds(workers, caplog):
 
 def test_negative_control_the_same_load_under_a_fixed_deadline_fails(workers, caplog):
     prefill, decode, port, _ = workers
-    decode.budget.floor_bytes_per_s = 0.0  # no bytes term: the fixed transfer_timeout_s of before
+    decode.budget.floor_bytes_per_s = 0.0  # no bytes term: a fixed transfer_timeout_s
     with caplog.at_level(logging.WARNING, logger="kvbridge"):
         ok, seconds = run_load(prefill, decode, port, "slow-fixed")
     assert not ok

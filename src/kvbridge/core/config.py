@@ -186,7 +186,7 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     moves only between equal TP sizes: another size is refused naming the layout. None: each handshake compares
     the state pages (`state_bytes`), so a peer of another TP size is refused then."""
 
-    # --- bounds on what peers and clients control (safe defaults; review 2026-12-01, issue 15) ---------------
+    # --- bounds on what peers and clients control (safe defaults, each configurable) ------------------------
 
     side_channel_max_frame_bytes: Annotated[int, msgspec.Meta(ge=4096, le=1 << 26)] = 256 * 1024
     """Prefill side: largest frame a side-channel server takes (ZMQ cuts the connection of a larger one). A decode

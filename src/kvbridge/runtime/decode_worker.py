@@ -116,7 +116,7 @@ class DecodeWorker:
         the CUDA IPC path (config.gpu_peer_copy). `key`: the deployment keys (`wire.keys.load_keys`).
         `handshake_threads`: the handshakes' own pool (None: half the control threads, at least 1), so that
         handshakes to silent engines never hold the threads that claim for connected ones; 0: they
-        share the control pool (the old way, kept for the negative control)."""
+        share the control pool (kept for the negative control)."""
         self.identity = identity
         self.memory = memory
         self.config = config

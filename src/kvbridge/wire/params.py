@@ -71,7 +71,7 @@ MAX_GROUPS = 64
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
-"""A block id: vLLM's are small indexes; larger ones (the review's 2**63) are refused when the params are parsed,
+"""A block id: vLLM's are small indexes; larger ones (such as 2**63) are refused when the params are parsed,
 not deep in a transfer thread."""
 
 
