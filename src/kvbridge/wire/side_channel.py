@@ -840,6 +840,7 @@ def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BY
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, max_answer_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kept socket whose peer went learns it is gone sooner
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)  # an idle one to a dead peer backs off
         if address.startswith("tcp://["):  # an IPv6 literal
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
@@ -852,6 +853,9 @@ def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BY
 RECONNECT_MS = 20
 """A client socket's reconnect interval after its connection dropped (ZMQ's default: 100 ms): a message waits
 for the next connect to be refused before it fails (`PeerWatch`)."""
+RECONNECT_MAX_MS = 200
+"""Reconnects of a socket whose peer stays away back off (doubling) up to this: a kept socket to a dead peer costs
+five connects a second until it is used (then it fails at once) or closed, and a message waits at most this."""
 
 _KEY_HINT = (
     " (a server with a deployment key drops what is not sealed with it: are the auth keys equal, or accepted there, "
