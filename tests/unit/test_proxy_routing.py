@@ -292,11 +292,12 @@ def test_the_hop_is_the_disaggregated_paths_first_token_overhead_beyond_the_dire
     learner.costs.prefill_tokens_per_s, learner.costs.transfer_s_per_token = 10000, 1e-5
     learner.prefill_leg(0.11, 1000)  # before any first token: the prefill leg's 10 ms beyond its compute
     assert learner.costs.hop_s == pytest.approx(0.01)
-    learner.first_token("direct", 0.015, 100, 100)  # 10 ms of compute: 5 ms overhead
     learner.first_token("disaggregated", 0.2, 1000, 1000)  # 100 ms compute, 10 ms transfer: 90 ms overhead
+    assert learner.costs.hop_s == pytest.approx(0.09)  # no direct request seen yet
+    learner.first_token("direct", 0.015, 100, 100)  # 10 ms of compute: 5 ms overhead
     assert learner.overhead_s == pytest.approx({"direct": 0.005, "disaggregated": 0.09})
     assert learner.costs.hop_s == pytest.approx(0.085)
-    learner.prefill_leg(0.11, 1000)  # once both paths were seen, the first tokens say what the hop costs
+    learner.prefill_leg(0.11, 1000)  # once a disaggregated first token was seen, first tokens say what it costs
     assert learner.costs.hop_s == pytest.approx(0.085)
 
 

@@ -21,8 +21,8 @@ Where the numbers come from:
 - transfer_s_per_token: the decode instances' `vllm:kvbridge_transfer_seconds` (mean per load) over the tokens one
   load brought (`...{source="external_kv_transfer"}` over `vllm:kvbridge_transfers_total`);
 - hop_s: from the proxy's own streamed requests, the time to the first token beyond compute and transfer, the
-  disaggregated path's less the direct one's (queues at the prefill instance, the KV's wait at the decode);
-  until both paths have been seen, the prefill legs' duration beyond their compute.
+  disaggregated path's less the direct one's (queues at the prefill instance, the KV's wait at the decode; the
+  direct one's counts as none until seen); until then, the prefill legs' duration beyond their compute.
 The first read of a server counts everything since it started; then the difference between two reads.
 Each is a moving average (`ALPHA`); until all three are known the threshold is the configured initial one.
 """
@@ -127,10 +127,10 @@ class CostLearner:
             self.costs.transfer_s_per_token = _ewma(self.costs.transfer_s_per_token, per_load_s / tokens_per_transfer)
 
     def prefill_leg(self, seconds: float, new_tokens: int) -> None:
-        """A prefill leg took `seconds` for an estimated `new_tokens` computed: the rest is the hop (until first
-        tokens of both paths have been seen: `first_token`)."""
+        """A prefill leg took `seconds` for an estimated `new_tokens` computed: the rest is the hop, until a
+        disaggregated request's first token has been seen (`first_token`)."""
         rate = self.costs.prefill_tokens_per_s
-        if rate is None or (self.overhead_s["direct"] is not None and self.overhead_s["disaggregated"] is not None):
+        if rate is None or self.overhead_s["disaggregated"] is not None:
             return
         self.costs.hop_s = _ewma(self.costs.hop_s, max(0.0, seconds - new_tokens / rate))
 
@@ -147,5 +147,5 @@ class CostLearner:
         )
         self.overhead_s[path] = _ewma(self.overhead_s.get(path), max(0.0, rest))
         direct, pd = self.overhead_s["direct"], self.overhead_s["disaggregated"]
-        if direct is not None and pd is not None:
-            self.costs.hop_s = max(0.0, pd - direct)
+        if pd is not None:  # no direct request seen yet: its overhead counts as none
+            self.costs.hop_s = max(0.0, pd - (direct or 0.0))
