@@ -285,3 +285,29 @@ def test_a_refused_direct_request_passes_the_error_through_and_releases_nothing(
     assert reply.status_code == 400 and "d says no" in reply.text
     assert prefill.requests == [] and "kvbridge_proxy_prefill_releases_total{" not in scraped
     assert [b.outstanding for b in proxy.balancer.backends()] == [0, 0]
+
+
+def test_the_hop_is_the_disaggregated_paths_first_token_overhead_beyond_the_direct_ones():
+    learner = CostLearner()
+    learner.costs.prefill_tokens_per_s, learner.costs.transfer_s_per_token = 10000, 1e-5
+    learner.prefill_leg(0.11, 1000)  # before any first token: the prefill leg's 10 ms beyond its compute
+    assert learner.costs.hop_s == pytest.approx(0.01)
+    learner.first_token("disaggregated", 0.2, 1000, 1000)  # 100 ms compute, 10 ms transfer: 90 ms overhead
+    assert learner.costs.hop_s == pytest.approx(0.09)  # no direct request seen yet
+    learner.first_token("direct", 0.015, 100, 100)  # 10 ms of compute: 5 ms overhead
+    assert learner.overhead_s == pytest.approx({"direct": 0.005, "disaggregated": 0.09})
+    assert learner.costs.hop_s == pytest.approx(0.085)
+    learner.prefill_leg(0.11, 1000)  # once a disaggregated first token was seen, first tokens say what it costs
+    assert learner.costs.hop_s == pytest.approx(0.085)
+
+
+def test_streamed_first_tokens_teach_the_router_by_path():
+    prefill, decode = FakeBackend("p"), FakeBackend("d")
+    with running(prefill, decode) as (p, d), proxy_for([p.url], [d.url], **SELECTIVE) as (url, proxy):
+        proxy.router.learner.costs.prefill_tokens_per_s = 1e6
+        for prompt in ([5, 6, 7], list(range(40))):  # direct, then disaggregated
+            body = {**BODY, "prompt": prompt, "stream": True}
+            assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 200
+        overhead = proxy.router.learner.overhead_s
+    assert overhead["direct"] is not None and overhead["disaggregated"] is not None
+    assert proxy.router.learner.costs.hop_s == pytest.approx(max(0.0, overhead["disaggregated"] - overhead["direct"]))

@@ -29,6 +29,8 @@ class Call:
         """The reply is complete."""
         self.disconnected = False
         """The client went away before the reply was complete."""
+        self.routed: dict[int, tuple[Any, float]] = {}
+        """Sub-requests (by index) routed whose first token has not come yet: their route and when it was made."""
 
     @property
     def stream(self) -> bool:

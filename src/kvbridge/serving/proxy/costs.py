@@ -20,7 +20,9 @@ Where the numbers come from:
   (`vllm:request_prefill_time_seconds_sum`), between two reads;
 - transfer_s_per_token: the decode instances' `vllm:kvbridge_transfer_seconds` (mean per load) over the tokens one
   load brought (`...{source="external_kv_transfer"}` over `vllm:kvbridge_transfers_total`);
-- hop_s: the proxy's own prefill legs, their duration less the compute their new tokens took at that rate.
+- hop_s: from the proxy's own streamed requests, the time to the first token beyond compute and transfer, the
+  disaggregated path's less the direct one's (queues at the prefill instance, the KV's wait at the decode; the
+  direct one's counts as none until seen); until then, the prefill legs' duration beyond their compute.
 The first read of a server counts everything since it started; then the difference between two reads.
 Each is a moving average (`ALPHA`); until all three are known the threshold is the configured initial one.
 """
@@ -92,6 +94,8 @@ class CostLearner:
     def __init__(self) -> None:
         self.costs = Costs()
         self._last: dict[str, dict[str, float]] = {}
+        self.overhead_s: dict[str, float | None] = {"direct": None, "disaggregated": None}
+        """Per path, a streamed request's time to its first token beyond its compute and transfer."""
 
     def _delta(self, backend: str, keys: Mapping[str, float]) -> dict[str, float] | None:
         last = self._last.get(backend, {})  # the first read: everything since the server started
@@ -123,8 +127,25 @@ class CostLearner:
             self.costs.transfer_s_per_token = _ewma(self.costs.transfer_s_per_token, per_load_s / tokens_per_transfer)
 
     def prefill_leg(self, seconds: float, new_tokens: int) -> None:
-        """A prefill leg took `seconds` for an estimated `new_tokens` computed: the rest is the hop."""
+        """A prefill leg took `seconds` for an estimated `new_tokens` computed: the rest is the hop, until a
+        disaggregated request's first token has been seen (`first_token`)."""
+        rate = self.costs.prefill_tokens_per_s
+        if rate is None or self.overhead_s["disaggregated"] is not None:
+            return
+        self.costs.hop_s = _ewma(self.costs.hop_s, max(0.0, seconds - new_tokens / rate))
+
+    def first_token(self, path: str, seconds: float, computed: int, loaded: int) -> None:
+        """A streamed request's first token came `seconds` after it was routed on `path` ("direct" or
+        "disaggregated"), `computed` tokens computed on its way (by the decode, or by the prefill) and `loaded`
+        transferred. What is left after compute and transfer is the path's overhead; the hop is the disaggregated
+        path's overhead beyond the direct one's (queues at the prefill instance, the KV's wait at the decode)."""
         rate = self.costs.prefill_tokens_per_s
         if rate is None:
             return
-        self.costs.hop_s = _ewma(self.costs.hop_s, max(0.0, seconds - new_tokens / rate))
+        rest = (
+            seconds - computed / rate - (loaded * (self.costs.transfer_s_per_token or 0.0) if path != "direct" else 0)
+        )
+        self.overhead_s[path] = _ewma(self.overhead_s.get(path), max(0.0, rest))
+        direct, pd = self.overhead_s["direct"], self.overhead_s["disaggregated"]
+        if pd is not None:  # no direct request seen yet: its overhead counts as none
+            self.costs.hop_s = max(0.0, pd - (direct or 0.0))

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.serving.proxy.balancer import DECODE, PREFILL, Backend, NoBackendError
@@ -63,12 +64,14 @@ class Flow:
     async def _begin(self, call: Call, sub: SubRequest, plan: Plan) -> tuple[dict[str, Any] | None, Backend]:
         """Route the sub-request (router.py: logged and counted) and run its prefill leg unless it goes straight to
         the decode instance. Returns the prefill's params (None: straight to the decode) and the decode backend,
-        whose count the caller then owns."""
+        whose count the caller then owns. A streamed sub-request's first token teaches the costs
+        (`_first_token`)."""
         try:
             route = self.router.route(sub.body, call.chat, time.monotonic(), force_direct=plan.direct)
         except NoBackendError as exc:
             raise LegFailed(503, error_json(503, "service_unavailable", str(exc))) from None
         self._account(call, sub, route)
+        call.routed[sub.index] = (route, time.monotonic())
         decode = route.decode.backend
         if route.prefill is None:
             return None, decode
@@ -81,6 +84,15 @@ class Flow:
             raise
         self.router.learner.prefill_leg(time.monotonic() - started, route.prompt_tokens - route.prefill.held_tokens)
         return params, decode
+
+    def _first_token(self, call: Call, sub: SubRequest) -> None:
+        """A streamed sub-request's first chunk arrived: its time from routing, by path, to the learner."""
+        routed = call.routed.pop(sub.index, None)
+        if routed is None or not call.stream:
+            return
+        route, started = routed
+        computed = route.new_tokens if route.prefill is None else route.prompt_tokens - route.prefill.held_tokens
+        self.router.learner.first_token(route.path, time.monotonic() - started, computed, route.new_tokens)
 
     def _account(self, call: Call, sub: SubRequest, route: Route) -> None:
         """Every decision is logged (one line that explains it) and counted."""
@@ -115,14 +127,16 @@ class Flow:
         with self._hold(call, sub, params) as held:
             backend, resp = await self._decode(call, decode, self._decode_body(sub, params))
             try:
-                await self._relay(call, backend, resp, held)
+                await self._relay(call, backend, resp, held, lambda: self._first_token(call, sub))
             finally:
                 self.balancer.release(backend)
                 await close_shielded(resp)
         if call.done and call.status < 300:
             self.metrics.leg_seconds.labels(DECODE).observe(time.monotonic() - started)
 
-    async def _relay(self, call: Call, backend: Backend, resp: httpx.Response, held: Hold) -> None:
+    async def _relay(
+        self, call: Call, backend: Backend, resp: httpx.Response, held: Hold, first_token: Callable[[], None]
+    ) -> None:
         """The decode reply to the client: chunk by chunk when streaming, whole otherwise."""
         import anyio
         import httpx
@@ -147,6 +161,7 @@ class Flow:
             except httpx.TransportError as exc:
                 raise self.upstream.transport_failure(DECODE, backend, exc, timeout) from None
             held.consumed = bool(first)
+            first_token()
             await call.start_stream(resp.status_code, content_type)
             self.metrics.first_byte_seconds.observe(time.monotonic() - call.arrived)
             try:
@@ -259,6 +274,8 @@ class Flow:
                     try:
                         async for chunk in chunks:
                             if chunk:
+                                if not held.consumed:
+                                    self._first_token(call, sub)
                                 held.consumed = True
                                 await send.send((sub.index, chunk))
                     except httpx.TransportError as exc:
