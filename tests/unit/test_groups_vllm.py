@@ -112,7 +112,7 @@ def test_scheduler_sides_publish_live_blocks_and_queue_one_load_of_per_group_lis
     )
     delay, params = prefill.request_finished_all_groups(req, (sliding, full))
     assert delay and params["remote_group_block_ids"] == [[21, 22, 23], full] and params["remote_block_ids"] == []
-    ((_, held, _, _, _),) = prefill.build_connector_meta().holds
+    ((_, held, _, _, _finished_at),) = prefill.build_connector_meta().holds
     assert held == ((21, 22, 23), tuple(full))
 
     dreq = SimpleNamespace(request_id="d1", kv_transfer_params=dict(params), prompt_token_ids=prompt)
