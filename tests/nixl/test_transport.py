@@ -462,3 +462,16 @@ def test_auto_transports_for_host_memory_add_cuda_copy_on_a_gpu_host(monkeypatch
     assert prefill_worker.transport_config(BridgeConfig(), "DRAM").ucx_tls == "self,sm,cma,tcp,cuda_copy"
     assert prefill_worker.transport_config(BridgeConfig(), "VRAM").ucx_tls is None  # UCX's own choice
     assert prefill_worker.transport_config(BridgeConfig(ucx_tls="tcp"), "DRAM").ucx_tls == "tcp"  # as told
+
+
+def test_auto_transports_leave_rdma_peers_to_ucx(monkeypatch):
+    """Host memory read across hosts over RDMA: `auto` must not pin UCX to shared memory and tcp (then UCX has
+    no rc / ud / dc lane to the other host and every load fails); it leaves the choice to UCX. Control: the same
+    config without RDMA devices keeps the one-host transports."""
+    from kvbridge.core.config import BridgeConfig
+    from kvbridge.runtime import prefill_worker
+
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.setattr(prefill_worker, "has_nvidia_gpu", lambda: False)
+    assert prefill_worker.transport_config(BridgeConfig(ucx_net_devices="mlx5_0:1"), "DRAM").ucx_tls is None
+    assert prefill_worker.transport_config(BridgeConfig(ucx_net_devices="lo"), "DRAM").ucx_tls == "self,sm,cma,tcp"

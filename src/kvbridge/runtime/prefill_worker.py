@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvbridge.core.config import BridgeConfig, is_loopback
+from kvbridge.core.config import BridgeConfig, is_loopback, rdma_device
 from kvbridge.core.errors import ConfigError, ProtocolError, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import LeaseBook
@@ -510,10 +510,13 @@ def transport_config(config: BridgeConfig, mem_type: MemType) -> TransportConfig
     """UCX settings: the transports for the memory type, and the network devices (`BridgeConfig.ucx_devices`):
     loopback and RDMA devices only, unless the operator opted into UCX tcp beyond loopback
     (`ucx_tcp_exposes_process_memory`; then the devices named, else the interface of `side_channel_host`)."""
+    devices = config.ucx_devices(interface_of(config.side_channel_host), os.environ.get("UCX_NET_DEVICES"))
     tls = config.ucx_tls
     if tls == "auto":
-        # host memory: shared memory, CMA and tcp (what detects a dead peer); cuda_copy too on a GPU host, where
-        # NIXL refuses a UCX_TLS without a CUDA transport
-        tls = ("self,sm,cma,tcp,cuda_copy" if has_nvidia_gpu() else "self,sm,cma,tcp") if mem_type == "DRAM" else None
-    devices = config.ucx_devices(interface_of(config.side_channel_host), os.environ.get("UCX_NET_DEVICES"))
+        if mem_type != "DRAM" or any(rdma_device(d) for d in (devices or "").split(",")):
+            tls = None  # UCX's own choice: cuda_ipc / cuda_copy for GPU memory, rc / ud / dc to reach RDMA peers
+        else:
+            # host memory on one host: shared memory, CMA and tcp on loopback (what detects a dead peer);
+            # cuda_copy too on a GPU host, where NIXL refuses a UCX_TLS without a CUDA transport
+            tls = "self,sm,cma,tcp,cuda_copy" if has_nvidia_gpu() else "self,sm,cma,tcp"
     return TransportConfig(ucx_tls=tls, ucx_net_devices=None if devices == "all" else devices)
