@@ -1,7 +1,7 @@
 """What the proxy takes from a client before the PD flow: a strict, bounded JSON object and a plain request id.
 
-Python's json module accepts NaN and Infinity, turns 1e999 into inf (which httpx then cannot send: a 500 in the
-review's probe), and recurses once per nesting level; a 100,000-deep body is a RecursionError. Here each of those
+Python's json module accepts NaN and Infinity, turns 1e999 into inf (which httpx then cannot send: a 500),
+and recurses once per nesting level; a 100,000-deep body is a RecursionError. Here each of those
 is a 400 naming the problem, and nesting is bounded well below the interpreter's limit.
 """
 
