@@ -75,6 +75,7 @@ AFFECTED = 3
 NEXT = 20
 TOKENS = 8
 LEASE_S = 10.0
+TRANSFER_S = 5.0  # a kv_both server's lease must exceed it by 5 s
 
 
 class Servers:
@@ -95,7 +96,9 @@ class Servers:
             pp=pp,
             tp=tp,
             cpu_bind=cores,
-            kv_transfer_config=kvbridge_config("kv_both", "recompute", side_channel_port=side, lease_s=LEASE_S),
+            kv_transfer_config=kvbridge_config(
+                "kv_both", "recompute", side_channel_port=side, lease_s=LEASE_S, transfer_timeout_s=TRANSFER_S
+            ),
             name=f"{name}-{run}",
             log_path=self.root / f"{name}-{run}.log",
         )
