@@ -246,13 +246,14 @@ class PrefillWorker:
         return wire.Ack(request_id=message.request_id, epoch=self.epoch)
 
     def _wait_for_hold(self, message: wire.Claim, now: float) -> Later | None:
-        """Keep a claim of a request not held yet until its hold comes (under _lock); None: answer now (held, no
-        wait asked, or `max_waiting_claims` waiting already)."""
+        """Keep a claim of a request not held yet until its hold comes (under _lock); None: answer now (held, freed
+        lately: read, aborted or expired, no wait asked, or `max_waiting_claims` waiting already)."""
         wait_s = min(message.wait_s, self.config.claim_window_s)
         ids = sum(map(len, message.groups))
         if (
             wait_s <= 0
             or self._leases.holds(message.request_id)
+            or self._leases.freed(message.request_id)
             or self._waiting_count >= self.config.max_waiting_claims
             or self._waiting_ids + ids > MAX_WAITING_BLOCK_IDS
         ):
