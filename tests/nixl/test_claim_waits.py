@@ -146,9 +146,9 @@ def test_the_waiting_claims_are_bounded(kept):
 def test_the_block_ids_of_waiting_claims_are_bounded(monkeypatch):
     """A few claims of the largest frames must not keep gigabytes: beyond MAX_WAITING_BLOCK_IDS block ids in all,
     a claim of an unknown request is answered at once; the ids come back once a claim is answered."""
-    from kvbridge.runtime import prefill_worker
+    from kvbridge.runtime import waiting_claims
 
-    monkeypatch.setattr(prefill_worker, "MAX_WAITING_BLOCK_IDS", 3)
+    monkeypatch.setattr(waiting_claims, "MAX_WAITING_BLOCK_IDS", 3)
     worker = make_prefill()
     try:
         out: list = []
