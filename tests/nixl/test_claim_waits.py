@@ -169,8 +169,9 @@ def test_the_block_ids_of_waiting_claims_are_bounded(monkeypatch):
 @pytest.mark.parametrize("how", ["aborted", "read"])
 def test_a_claim_of_a_freed_request_is_refused_at_once(how):
     """A request held here and freed (aborted, or read by all its readers) will not be held again: a claim of it
-    is refused as not held at once instead of waiting out its wait. The control: a claim that comes before its
-    request's hold still waits and is granted when the hold comes."""
+    with its token is refused as not held at once instead of waiting out its wait; one without the token waits as
+    for a request never held. The control: a claim that comes before its request's hold still waits and is
+    granted when the hold comes."""
     worker = make_prefill()
     try:
         worker.hold("r", ((1, 2),), token="tok", prompt_hash="h")
@@ -188,6 +189,10 @@ def test_a_claim_of_a_freed_request_is_refused_at_once(how):
         answer, took = out[0]
         assert isinstance(answer, wire.ErrorReply) and answer.reason is wire.Refusal.NOT_HELD
         assert took < 0.2  # not the claim's 2 s wait
+        guess: list = []
+        ask(worker, claim("r", token="guess", wait_s=0.3), guess).join(5)
+        assert guess[0][0].reason is wire.Refusal.NOT_HELD
+        assert guess[0][1] > 0.25  # without the token: as a request never held, nothing said of this one
         control: list = []
         thread = ask(worker, claim("s", wait_s=2.0), control)
         time.sleep(0.3)

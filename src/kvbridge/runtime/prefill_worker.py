@@ -209,11 +209,12 @@ class PrefillWorker:
         return wire.Ack(request_id=message.request_id, epoch=self.epoch)
 
     def _wait_for_hold(self, message: wire.Claim, now: float) -> Later | None:
-        """Keep a claim of a request not held yet until its hold comes (under _lock); None: answer now (held, freed
-        lately: read, aborted or expired, no wait asked, or no room: `max_waiting_claims` or
-        MAX_WAITING_BLOCK_IDS)."""
+        """Keep a claim of a request not held yet until its hold comes (under _lock); None: answer now (held; freed
+        lately, the claim carrying its token: read, aborted or expired; no wait asked; or no room:
+        `max_waiting_claims` or MAX_WAITING_BLOCK_IDS)."""
         wait_s = min(message.wait_s, self.config.claim_window_s)
-        if wait_s <= 0 or self._leases.holds(message.request_id) or self._leases.freed(message.request_id):
+        request_id = message.request_id
+        if wait_s <= 0 or self._leases.holds(request_id) or self._leases.freed(request_id, message.token):
             return None
         return self._waiting.keep(message, now + wait_s)
 
