@@ -146,9 +146,9 @@ def test_the_waiting_claims_are_bounded(kept):
 def test_the_block_ids_of_waiting_claims_are_bounded(monkeypatch):
     """A few claims of the largest frames must not keep gigabytes: beyond MAX_WAITING_BLOCK_IDS block ids in all,
     a claim of an unknown request is answered at once; the ids come back once a claim is answered."""
-    from kvbridge.runtime import prefill_worker
+    from kvbridge.runtime import waiting_claims
 
-    monkeypatch.setattr(prefill_worker, "MAX_WAITING_BLOCK_IDS", 3)
+    monkeypatch.setattr(waiting_claims, "MAX_WAITING_BLOCK_IDS", 3)
     worker = make_prefill()
     try:
         out: list = []
@@ -162,5 +162,43 @@ def test_the_block_ids_of_waiting_claims_are_bounded(monkeypatch):
         third: list = []
         ask(worker, claim("c", wait_s=0.3, blocks=(1, 2)), third).join(5)  # the first's ids were given back
         assert third[0][1] > 0.25
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("how", ["aborted", "read"])
+def test_a_claim_of_a_freed_request_is_refused_at_once(how):
+    """A request held here and freed (aborted, or read by all its readers) will not be held again: a claim of it
+    with its token is refused as not held at once instead of waiting out its wait; one without the token waits as
+    for a request never held. The control: a claim that comes before its request's hold still waits and is
+    granted when the hold comes."""
+    worker = make_prefill()
+    try:
+        worker.hold("r", ((1, 2),), token="tok", prompt_hash="h")
+        free = (
+            wire.Abort(request_id="r", engine_id="d", worker=wire.Worker(), token="tok")
+            if how == "aborted"
+            else wire.Notify(request_id="r", engine_id="d", worker=wire.Worker(), token="tok")
+        )
+        assert isinstance(exchange("127.0.0.1", worker.port, free, timeout_s=5), wire.Ack)
+        deadline = time.monotonic() + 5
+        while "r" not in worker.finished()[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out: list = []
+        ask(worker, claim("r", wait_s=2.0), out).join(5)
+        answer, took = out[0]
+        assert isinstance(answer, wire.ErrorReply) and answer.reason is wire.Refusal.NOT_HELD
+        assert took < 0.2  # not the claim's 2 s wait
+        guess: list = []
+        ask(worker, claim("r", token="guess", wait_s=0.3), guess).join(5)
+        assert guess[0][0].reason is wire.Refusal.NOT_HELD
+        assert guess[0][1] > 0.25  # without the token: as a request never held, nothing said of this one
+        control: list = []
+        thread = ask(worker, claim("s", wait_s=2.0), control)
+        time.sleep(0.3)
+        assert not control  # waiting for its hold
+        worker.hold("s", ((1, 2),), token="tok", prompt_hash="h")
+        thread.join(5)
+        assert control[0][0] == wire.Ack(request_id="s", epoch=worker.epoch)
     finally:
         worker.close()

@@ -132,3 +132,24 @@ def test_with_a_token_check_only_key_holders_notifications_take_room_before_the_
         book.hold("r", 0.1, token="mac-of-r")
         assert taken is checked and (book.due(0.2) == ({"r"}, set())) is checked
         assert len(book._early) == (0 if checked else 8)
+
+
+def test_freed_requests_are_remembered_until_held_again_and_bounded():
+    book = LeaseBook(lease_s=10, max_freed=2)
+    assert not book.freed("r", "tok")  # never held: a claim of it may wait for its hold
+    held(book)
+    assert not book.freed("r", "tok")
+    assert book.abort("r", "tok")
+    assert book.freed("r", "tok")  # at the abort, before `due` frees it
+    assert not book.freed("r", "guess")  # says nothing of the request to one without its token
+    book.due(1.0)
+    assert book.freed("r", "tok")
+    held(book, now=2.0)  # held again
+    assert not book.freed("r", "tok")
+    assert book.due(12.0) == (set(), {"r"})
+    assert book.freed("r", "tok")  # expired
+    for request_id in ("a", "b"):
+        book.hold(request_id, 20.0, token="tok", blocks=(BLOCKS,))
+        assert book.notified(request_id, "tok", "d", "w", 1, now=20.0)
+    assert book.due(20.0) == ({"a", "b"}, set())
+    assert book.freed("a", "tok") and book.freed("b", "tok") and not book.freed("r", "tok")  # the oldest forgotten

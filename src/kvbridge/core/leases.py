@@ -45,6 +45,11 @@ The default of `LeaseBook.max_early` and of config `max_early_notes`."""
 EARLY_NOTES_PER_REQUEST = 64
 """Notifications kept per such request (config `early_notes_per_request`)."""
 
+MAX_FREED = 4096
+"""Requests freed here lately (read, aborted or expired) that are remembered with their tokens, so that a claim of
+one that carries its token is refused at once instead of waiting for a hold that will not come (bounded: the
+oldest is forgotten first)."""
+
 
 def blocks_digest(blocks: Sequence[int]) -> str:
     """32 hex digits naming a block list and its order: SHA-256 of the ids as little-endian int64."""
@@ -115,6 +120,8 @@ class LeaseBook:
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _early: OrderedDict[str, _Early] = field(default_factory=OrderedDict)
     _aborted: set[str] = field(default_factory=set)
+    max_freed: int = MAX_FREED
+    _freed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # the last `max_freed` freed: their tokens
     expired_total: int = 0
     completed_total: int = 0
     aborted_total: int = 0
@@ -132,6 +139,7 @@ class LeaseBook:
         held = tuple(frozenset(ids) for ids in blocks)
         entry = _Entry(token, prompt_hash, held, groups_digest(blocks), now + self.lease_s)
         self._entries[request_id] = entry
+        self._freed.pop(request_id, None)  # held again
         early = self._early.pop(request_id, None)
         for note_token, engine, worker, expected in early.notes if early else ():
             self._note(entry, note_token, engine, worker, expected)
@@ -218,6 +226,7 @@ class LeaseBook:
             return False
         del self._entries[request_id]
         self._aborted.add(request_id)
+        self._remember_freed(request_id, entry.token)
         self.aborted_total += 1
         return True
 
@@ -248,6 +257,7 @@ class LeaseBook:
             else:
                 continue
             del self._entries[request_id]
+            self._remember_freed(request_id, entry.token)
         while self._early and now - next(iter(self._early.values())).seen > self.early_ttl_s:
             self._early.popitem(last=False)
         self.completed_total += len(done)
@@ -261,6 +271,19 @@ class LeaseBook:
     def holds(self, request_id: str) -> bool:
         """Whether `request_id` is held (whatever its state: a claim of it is answered now, never kept waiting)."""
         return request_id in self._entries
+
+    def freed(self, request_id: str, token: str) -> bool:
+        """Whether `request_id` was held here with `token` and freed lately (read, aborted or expired; the last
+        `max_freed`): a claim of it is refused at once, never kept waiting for a hold. False for a wrong token: a
+        claim without it is treated as one of a request never held (its answer says nothing of the request)."""
+        kept = self._freed.get(request_id)
+        return kept is not None and _same(kept, token)
+
+    def _remember_freed(self, request_id: str, token: str) -> None:
+        self._freed[request_id] = token
+        self._freed.move_to_end(request_id)
+        while len(self._freed) > self.max_freed:
+            self._freed.popitem(last=False)
 
     def next_expiry(self) -> float | None:
         expiries = [e.read_until if e.read_until is not None else e.expiry for e in self._entries.values()]

@@ -104,11 +104,14 @@ class IpcReads:
             load.block_arrays = None
 
     def _checked(self, load: Load) -> tuple:
-        """The load's (remote, local) block ids as arrays, checked against every worker read and this one."""
+        """The load's (remote, local) block ids as arrays, checked against every worker read and this one (timed:
+        `Load.checks_began` -> `Load.checked`)."""
+        load.checks_began = time.monotonic()
         engine = load.engine
         remote, local = load.job.one_group()  # the gather kernels serve one-group engines only
         for rank in engine.kernels:  # arrays after the first: the later checks convert nothing
             remote, local = block_lists(remote, local, engine.peers[rank].memory, self.memory)
+        load.checked = time.monotonic()
         return remote, local
 
     def launch(self, load: Load) -> None:
@@ -122,7 +125,6 @@ class IpcReads:
         try:
             remote, local = load.block_arrays or self._checked(load)
             live = engine.kernels if job.num_blocks else {}
-            load.checked = time.monotonic()
             load.start_event, load.event = self.reader.launch(live, remote, local)
             load.launched = time.monotonic()
         except Exception as exc:  # bad block ids, or a launch error

@@ -85,13 +85,15 @@ class Load:
     # engine's handshake done) -> claim_sent -> claimed (granted by every worker read, after claim_retries
     # refusals as not held) -> started (its path took it: the transfer thread, or the claiming thread on the CUDA
     # IPC path) -> posted (READs posted or kernels queued; with CMA, READs of host memory copy inside the post) ->
-    # landed (its data is in its blocks) -> reported (handed to vLLM).
+    # landed (its data is in its blocks) -> reported (handed to vLLM). On the CUDA IPC path its block ids are
+    # checked from checks_began to checked: while its claim is on the wire (before `started`), or else in the post.
     connected: float = 0.0
     claim_sent: float = 0.0
     claimed: float = 0.0
     claim_retries: int = 0
     started: float = 0.0
-    checked: float = 0.0  # CUDA IPC path: its block ids checked, before the launch (the post's two parts)
+    checks_began: float = 0.0
+    checked: float = 0.0
     launched: float = 0.0
     posted: float = 0.0
     landed: float = 0.0
@@ -122,7 +124,9 @@ class Load:
 
     def durations(self, reported: float) -> dict[str, float]:
         """Seconds of each phase of a load that landed, and `hop` (claim sent -> landed: the KV hop) and `total`
-        (queued -> reported)."""
+        (queued -> reported). A CUDA IPC load also has `checks` (its block ids checked: a phase of its own, which
+        overlaps the claim when the checks ran while the claim was on the wire) and `post_launch` (the post after
+        the checks: events, id upload, kernel launches)."""
         out, last = {}, self.queued
         for name, t in self.marks():
             out[name] = max(0.0, t - last)
@@ -130,9 +134,9 @@ class Load:
         out["report"] = max(0.0, reported - self.landed)
         out["hop"] = max(0.0, self.landed - (self.claim_sent or self.connected))
         out["total"] = max(0.0, reported - self.queued)
-        if self.checked and self.launched:  # the CUDA IPC path's post: the id checks, then the launch
-            out["post_checks"] = max(0.0, self.checked - self.started)
-            out["post_launch"] = max(0.0, self.launched - self.checked)
+        if self.checked and self.launched:  # the CUDA IPC path
+            out["checks"] = max(0.0, self.checked - self.checks_began)
+            out["post_launch"] = max(0.0, self.launched - max(self.started, self.checked))
         return out
 
     # CUDA IPC path: its block ids checked ahead (IpcReads.prepare), the kernels' events (the GPU time is

@@ -19,7 +19,6 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig, is_loopback, rdma_device
@@ -27,9 +26,11 @@ from kvbridge.core.errors import ConfigError, ProtocolError, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import LeaseBook
 from kvbridge.core.memory import WorkerMemory
+from kvbridge.runtime.hold_times import HoldTimeline
 from kvbridge.runtime.host import has_nvidia_gpu, host_id, interface_of
 from kvbridge.runtime.staging import Stager
 from kvbridge.runtime.stream_server import KvStreamServer
+from kvbridge.runtime.waiting_claims import WaitingClaims
 from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportConfig
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
@@ -43,39 +44,6 @@ if TYPE_CHECKING:
     from kvbridge.core.memory import IpcHandle
 
 logger = logging.getLogger(__name__)
-
-
-MAX_WAITING_BLOCK_IDS = 1 << 20
-"""Block ids that waiting claims may hold in all (about 36 MB as Python ints): with `max_waiting_claims` claims of
-the largest frames a flood could otherwise keep gigabytes; beyond it a claim is answered at once."""
-
-MAX_TIMELINES = 4096
-"""Released requests' timelines kept until `take_phases` (vLLM's stats take them every step)."""
-
-
-@dataclass
-class _Waiting:
-    """A claim of a request not held yet, answered when its hold comes or at `until`."""
-
-    claim: wire.Claim
-    answer: Later
-    until: float
-
-
-@dataclass
-class HoldTimes:
-    """One held request's timeline on this worker (monotonic seconds; the clock is the host's, shared by
-    processes): request finished (the scheduler's request_finished) -> hold registered here -> first claim
-    answered -> released (freed: read, aborted or expired)."""
-
-    finished: float
-    held: float
-    claimed: float = 0.0
-
-    def phases(self, released: float) -> tuple[float, float, float]:
-        """(finished -> held, held -> claim answered (0 if none: the phase ends at release), -> released)."""
-        claimed = self.claimed or released
-        return max(0.0, self.held - self.finished), max(0.0, claimed - self.held), max(0.0, released - claimed)
 
 
 class PrefillWorker:
@@ -119,11 +87,8 @@ class PrefillWorker:
         self._changed = threading.Condition(self._lock)  # notified when a lease may have ended (under _lock)
         self._finished: set[str] = set()
         self._expired_new = 0
-        self._waiting: dict[str, list[_Waiting]] = {}  # claims waiting for their holds (under _lock)
-        self._waiting_count = 0
-        self._waiting_ids = 0  # block ids the waiting claims hold (bounded by MAX_WAITING_BLOCK_IDS)
-        self._times: dict[str, HoldTimes] = {}  # held requests' timelines (under _lock)
-        self._hold_phases: list[tuple[float, float, float]] = []  # of requests released since `take_phases`
+        self._waiting = WaitingClaims(config.max_waiting_claims)  # claims waiting for their holds (under _lock)
+        self._times = HoldTimeline()  # held requests' timelines (under _lock)
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
         self._backoff = Backoff(first_s=100e-6, cap_s=5e-3)
         self._stop = threading.Event()
@@ -220,8 +185,8 @@ class PrefillWorker:
         now = self.clock()
         with self._lock:
             self._leases.hold(request_id, now, token, prompt_hash, block_ids)
-            self._times[request_id] = HoldTimes(now if finished_at is None else finished_at, now)
-            answers = [(w.answer, self._claim(w.claim, now)) for w in self._take_waiting(request_id)]
+            self._times.held(request_id, now if finished_at is None else finished_at, now)
+            answers = [(w.answer, self._claim(w.claim, now)) for w in self._waiting.take(request_id)]
         for later, answer in answers:
             later.give(answer)
         self._wake.set()
@@ -240,58 +205,24 @@ class PrefillWorker:
         )
         if refused:
             return wire.ErrorReply(message=f"claim refused: {refused}", reason=wire.Refusal(refused))
-        times = self._times.get(message.request_id)
-        if times is not None and not times.claimed:
-            times.claimed = now
+        self._times.claimed(message.request_id, now)
         return wire.Ack(request_id=message.request_id, epoch=self.epoch)
 
     def _wait_for_hold(self, message: wire.Claim, now: float) -> Later | None:
-        """Keep a claim of a request not held yet until its hold comes (under _lock); None: answer now (held, no
-        wait asked, or `max_waiting_claims` waiting already)."""
+        """Keep a claim of a request not held yet until its hold comes (under _lock); None: answer now (held; freed
+        lately, the claim carrying its token: read, aborted or expired; no wait asked; or no room:
+        `max_waiting_claims` or MAX_WAITING_BLOCK_IDS)."""
         wait_s = min(message.wait_s, self.config.claim_window_s)
-        ids = sum(map(len, message.groups))
-        if (
-            wait_s <= 0
-            or self._leases.holds(message.request_id)
-            or self._waiting_count >= self.config.max_waiting_claims
-            or self._waiting_ids + ids > MAX_WAITING_BLOCK_IDS
-        ):
+        request_id = message.request_id
+        if wait_s <= 0 or self._leases.holds(request_id) or self._leases.freed(request_id, message.token):
             return None
-        later = Later()
-        self._waiting.setdefault(message.request_id, []).append(_Waiting(message, later, now + wait_s))
-        self._waiting_count += 1
-        self._waiting_ids += ids
-        return later
-
-    def _take_waiting(self, request_id: str) -> list[_Waiting]:
-        waiting = self._waiting.pop(request_id, [])
-        self._forget_waiting(waiting)
-        return waiting
-
-    def _forget_waiting(self, waiting: list[_Waiting]) -> None:
-        self._waiting_count -= len(waiting)
-        self._waiting_ids -= sum(sum(map(len, w.claim.groups)) for w in waiting)
-
-    def _lapsed_waits(self, now: float) -> list[Later]:
-        """Claims whose wait passed without their hold (under _lock): they are answered not held."""
-        out = []
-        for request_id in [r for r, ws in self._waiting.items() if any(w.until <= now for w in ws)]:
-            keep = [w for w in self._waiting[request_id] if w.until > now]
-            lapsed = [w for w in self._waiting[request_id] if w.until <= now]
-            out += [w.answer for w in lapsed]
-            self._forget_waiting(lapsed)
-            if keep:
-                self._waiting[request_id] = keep
-            else:
-                del self._waiting[request_id]
-        return out
+        return self._waiting.keep(message, now + wait_s)
 
     def take_phases(self) -> list[tuple[float, float, float]]:
         """Timelines of the requests released since the last call: (finished -> held, held -> claim answered,
         claim answered -> released) seconds each."""
         with self._lock:
-            out, self._hold_phases = self._hold_phases, []
-        return out
+            return self._times.take()
 
     def _answer(self, message: wire.Message) -> wire.Message:
         """Side-channel messages other than handshakes (runs on the side-channel thread, no NIXL calls).
@@ -395,13 +326,13 @@ class PrefillWorker:
                     active = False
             with self._lock:
                 held = self._leases.held
-                waits = [w.until for ws in self._waiting.values() for w in ws]
+                next_wait = self._waiting.next_until()
             if active:
                 self._backoff.reset()
             # Wait for work; poll quickly while requests are held (readers need our progress).
             delay = self._backoff.step() if held else 0.05
-            if waits:  # answer a claim whose wait passed when it passes
-                delay = max(0.0, min(delay, min(waits) - self.clock()))
+            if next_wait is not None:  # answer a claim whose wait passed when it passes
+                delay = max(0.0, min(delay, next_wait - self.clock()))
             self._wake.wait(delay)
             self._wake.clear()
 
@@ -433,11 +364,8 @@ class PrefillWorker:
             self._expired_new += len(expired)
             if decoded or done or expired:
                 self._changed.notify_all()
-            for request_id in done | expired:
-                if (times := self._times.pop(request_id, None)) is not None:
-                    self._hold_phases.append(times.phases(now))
-            del self._hold_phases[:-MAX_TIMELINES]  # nobody takes them (a harness without vLLM): keep the last
-            lapsed = self._lapsed_waits(now) if self._waiting else []
+            self._times.released(done | expired, now)
+            lapsed = self._waiting.lapsed(now) if self._waiting else []
             self._leases.refused_total += len(lapsed)
         for later in lapsed:
             later.give(wire.ErrorReply(message="claim refused: not_held", reason=wire.Refusal.NOT_HELD))

@@ -136,7 +136,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     vllm:kvbridge_transfers_total, vllm:kvbridge_bytes_total, vllm:kvbridge_descriptors_total,
     vllm:kvbridge_failures_total, vllm:kvbridge_expired_leases_total, vllm:kvbridge_claim_retries_total,
     vllm:kvbridge_transfer_seconds (a load's KV hop: claim sent -> data landed),
-    vllm:kvbridge_load_phase_seconds{phase} (decode: handshake, claim, queue, post, wire, report, hop, total) and
+    vllm:kvbridge_load_phase_seconds{phase} (decode: handshake, claim, queue, post, wire, report, hop, total; a
+    CUDA IPC load also checks, overlapping claim, and post_launch) and
     vllm:kvbridge_hold_phase_seconds{phase} (prefill: hold, claim, release).
     """
 
@@ -170,7 +171,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             documentation="A decode load's timeline, per phase: handshake (queued -> handshake done), claim (-> "
             "granted), queue (-> taken by its path), post (-> READs posted or kernels queued: the host's work; with "
             "CMA the copy itself), wire (-> data landed), report (-> handed to vLLM); hop (claim sent -> data "
-            "landed), total (queued -> handed to vLLM).",
+            "landed), total (queued -> handed to vLLM); a CUDA IPC load also checks (its block ids checked, "
+            "while its claim is on the wire: it overlaps claim) and post_launch (the post after the checks).",
             buckets=BUCKETS,
             labelnames=[*labelnames, "phase"],
         )
