@@ -11,10 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted(
     p
     for p in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("bench/*.md")]
-    if p.exists() and p.name != "security.md"
+    if p.exists()
 )
-# Pages other branches write, linked before they land here.
-PENDING = {"docs/failures.md", "docs/routing.md", "docs/benchmarks/load-path.md"}
 LAYERS = ("core", "wire", "transport", "runtime", "vllm", "serving", "testing")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\n]+)`")
@@ -40,8 +38,6 @@ def broken_links(page: Path) -> list[str]:
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
-        if rel in PENDING:
-            continue
         if not dest.exists():
             broken.append(f"{target} (no {rel})")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
@@ -68,7 +64,6 @@ def cited_paths(text: str) -> set[str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_link_and_cited_path_exists(page):
     missing = [p for p in sorted(cited_paths(page.read_text(encoding="utf-8"))) if not (ROOT / p).exists()]
-    missing = [p for p in missing if p not in PENDING]
     assert not broken_links(page) + missing, f"{page.relative_to(ROOT)}: {broken_links(page) + missing}"
 
 
