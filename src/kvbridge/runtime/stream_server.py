@@ -5,8 +5,9 @@ handshake reply tells readers). Each connection runs on a thread of its own:
 
     key confirmation (`transport.kv_stream.server_handshake`; a peer that does not prove the key is cut, having
     received 32 random bytes and a MAC)  ->  StreamRead  ->  checked: claimed by this reader with these blocks and
-    this token (`authorize`, the lease book's `reading`), every run inside this worker's registered KV
-    (`core.staging.runs_inside`)  ->  chunks gathered (`transport.host_copy`, the staged path's copies) and sent as
+    this token (`authorize`, the lease book's `reading`), every run within one block of a layer of its group
+    in this worker's own layout (`core.run_bounds`: start in a span of block 0, stride that layer's block stride,
+    end inside the span)  ->  chunks gathered (`transport.host_copy`, the staged path's copies) and sent as
     sealed data frames  ->  StreamEnd  ->  the next StreamRead on the same connection
 
 The claim is checked again before every chunk, so a request aborted or freed meanwhile stops its stream. Bounds:
@@ -30,6 +31,7 @@ import numpy as np
 
 from kvbridge.core.errors import KVBridgeError, ProtocolError
 from kvbridge.core.memory import WorkerMemory
+from kvbridge.core.run_bounds import RunBounds
 from kvbridge.core.staging import StageLayout, runs_inside
 from kvbridge.transport import host_copy
 from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, Mode, StreamConnection, server_handshake
@@ -65,14 +67,21 @@ class _Conn:
     thread: threading.Thread | None = field(default=None, repr=False)
 
 
-def plan_parts(memory: WorkerMemory, request: sm.StreamRead) -> tuple[list[_Part], str]:
-    """Each group's runs and chunks, or why the request is refused ("" if it is not)."""
+def plan_parts(
+    memory: WorkerMemory, request: sm.StreamRead, bounds: RunBounds | None = None
+) -> tuple[list[_Part], str]:
+    """Each group's runs and chunks, or why the request is refused ("" if it is not). Every run must lie within
+    one block of a layer of its group (`bounds`, from this worker's own layout): a claim names blocks, so a reader
+    names no bytes beyond those blocks."""
+    bounds = bounds if bounds is not None else RunBounds(memory)
+    if len(request.groups) > memory.num_groups:
+        return [], f"{len(request.groups)} groups for {memory.num_groups}"
     if request.chunk_bytes > MAX_CHUNK_BYTES:
         return [], f"chunk_bytes {request.chunk_bytes} above {MAX_CHUNK_BYTES}"
     parts = []
     total = 0
     kv_bytes = sum(r.nbytes for r in memory.regions)
-    for group in request.groups:
+    for g, group in enumerate(request.groups):
         if not (len(group.src_addr) == len(group.block_stride) == len(group.length)):
             return [], "segments"
         if not group.src_addr or not group.block_ids:
@@ -83,7 +92,7 @@ def plan_parts(memory: WorkerMemory, request: sm.StreamRead) -> tuple[list[_Part
         blocks = np.array(group.block_ids, dtype=np.int64)
         if int(blocks.max()) >= memory.num_blocks:
             return [], "blocks"
-        outside = runs_inside(memory.regions, addr, stride, length, blocks)
+        outside = bounds.check(g, addr, stride, length) or runs_inside(memory.regions, addr, stride, length, blocks)
         if outside:
             return [], f"outside ({outside})"
         try:
@@ -130,6 +139,7 @@ class KvStreamServer:
         self.stall_s = stall_s
         self.name = name
         self._views = host_copy.HostViews(memory.regions)
+        self._bounds = RunBounds(memory)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._conns: list[_Conn] = []
@@ -246,7 +256,7 @@ class KvStreamServer:
                 self.counts["refused"] += 1
             stream.send(KIND_MESSAGE, 0, sm.encode(end))
             return
-        parts, why = plan_parts(self.memory, request)
+        parts, why = plan_parts(self.memory, request, self._bounds)
         if why:
             with self._lock:
                 self.counts["refused"] += 1
