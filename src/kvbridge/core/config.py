@@ -100,6 +100,16 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_stream_chunk_bytes: Annotated[int, msgspec.Meta(ge=1 << 16, le=1 << 26)] = 4 << 20
     """Decode side: bytes of KV per data frame (a run longer than this takes a frame of its own size)."""
 
+    kv_stream_max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 2048
+    """Prefill side: KV channel connections one prefill worker keeps open. A decode worker keeps up to 16 idle
+    ones per prefill worker between loads (closed after 60 s unused) plus kv_stream_connections per load in flight:
+    2048 serves 64 decode ranks. When full, the oldest connection that has not proved the key is cut, else the
+    least recently used authenticated idle one (its reader opens a fresh one when it needs it), else the new one."""
+
+    kv_stream_max_connections_per_address: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    """Prefill side: KV channel connections from one source address (a decode host of 8 GPUs keeps up to 128
+    idle); beyond it the same eviction as kv_stream_max_connections, among that address's connections."""
+
     kv_stream_threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     """Decode side: threads reading KV channel connections (one per connection in use); loads beyond them wait."""
 

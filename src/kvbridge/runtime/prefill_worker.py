@@ -161,7 +161,8 @@ class PrefillWorker:
                     else 0
                 ),
                 mode="encrypt" if self.config.kv_stream_encrypt else "integrity",
-                max_connections=self.config.side_channel_max_connections,
+                max_connections=self.config.kv_stream_max_connections,
+                max_per_address=self.config.kv_stream_max_connections_per_address,
                 handshake_timeout_s=self.config.handshake_timeout_s,
                 name=f"kv-stream-{ident.rank}",
             ).start()

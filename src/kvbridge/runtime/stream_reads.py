@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 MAX_IDLE_PER_ADDRESS = 16
 """Authenticated connections kept open per prefill worker between loads."""
 
+IDLE_CLOSE_S = 60.0
+"""An idle connection unused this long is closed by this side (well before the prefill worker's own idle limit,
+600 s), so that pooled connections do not hold the prefill worker's `kv_stream_max_connections` for nothing."""
+
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -111,7 +115,7 @@ class StreamReads:
         self.failed = failed
         self._views = host_copy.HostViews(memory.regions)
         self._lock = threading.Lock()
-        self._idle: dict[tuple[str, int], list[StreamConnection]] = {}
+        self._idle: dict[tuple[str, int], list[tuple[StreamConnection, float]]] = {}
         self._segments: dict[tuple, dict[WorkerRank, Segments]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.bytes = 0  # totals, for tests and benches
@@ -129,7 +133,7 @@ class StreamReads:
         with self._lock:
             idle, self._idle = self._idle, {}
         for conns in idle.values():
-            for conn in conns:
+            for conn, _ in conns:
                 conn.close()
 
     # -- a load -----------------------------------------------------------------------------------
@@ -326,9 +330,13 @@ class StreamReads:
     def _connection(self, address: tuple[str, int], load: Load, pooled: bool = True) -> tuple[StreamConnection, bool]:
         if pooled:
             with self._lock:
+                stale = self._expire(time.monotonic())
                 idle = self._idle.get(address)
-                if idle:
-                    return idle.pop(), True
+                got = idle.pop()[0] if idle else None
+            for conn in stale:
+                conn.close()
+            if got is not None:
+                return got, True
         left = load.deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("kv stream: the load's deadline passed")
@@ -343,12 +351,28 @@ class StreamReads:
             raise
 
     def _give_back(self, address: tuple[str, int], conn: StreamConnection) -> None:
+        now = time.monotonic()
         with self._lock:
+            stale = self._expire(now)
             idle = self._idle.setdefault(address, [])
             if len(idle) < MAX_IDLE_PER_ADDRESS:
-                idle.append(conn)
-                return
-        conn.close()
+                idle.append((conn, now))
+            else:
+                stale.append(conn)
+        for old in stale:
+            old.close()
+
+    def _expire(self, now: float) -> list[StreamConnection]:
+        """Under the lock: take out the idle connections unused for IDLE_CLOSE_S (the caller closes them)."""
+        stale = []
+        for address, idle in list(self._idle.items()):
+            keep = [(c, t) for c, t in idle if now - t < IDLE_CLOSE_S]
+            stale += [c for c, t in idle if now - t >= IDLE_CLOSE_S]
+            if keep:
+                self._idle[address] = keep
+            else:
+                del self._idle[address]
+        return stale
 
 
 def _group_message(group: _Group) -> sm.StreamGroup:

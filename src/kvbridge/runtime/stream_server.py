@@ -11,10 +11,12 @@ handshake reply tells readers). Each connection runs on a thread of its own:
     sealed data frames  ->  StreamEnd  ->  the next StreamRead on the same connection
 
 The claim is checked again before every chunk, so a request aborted or freed meanwhile stops its stream. Bounds:
-`max_connections` open at once (when full, the oldest connection that has not proved the key is cut, else the new
-one), the handshake within `handshake_timeout_s`, an idle authenticated connection closed after `idle_s`, a send
-that makes no progress for `stall_s` ends the connection, a request frame of at most `MAX_REQUEST_BYTES`, and a
-part no larger than the worker's KV.
+`max_connections` open at once and `max_per_address` from one source address (when full, the oldest connection
+that has not proved the key is cut, else the least recently used authenticated one waiting for its next request
+(one that has not yet sent its first: after `handshake_timeout_s`), else the new one), the handshake within
+`handshake_timeout_s`, an idle authenticated connection closed after `idle_s`, a send that makes no progress for
+`stall_s` ends the connection, a request frame of at most `MAX_REQUEST_BYTES`, and a part no larger than the
+worker's KV.
 """
 
 from __future__ import annotations
@@ -63,7 +65,12 @@ class _Part:
 class _Conn:
     sock: socket.socket
     opened: float
+    address: str = ""
     authenticated: bool = False
+    busy: bool = False  # a request read and not yet answered
+    used: float = 0.0  # when its last request was answered (or it was opened)
+    served: int = 0  # requests answered
+    cut: bool = False  # shut to make room; its thread removes it
     thread: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -119,6 +126,7 @@ class KvStreamServer:
         port: int = 0,
         mode: Mode = "encrypt",
         max_connections: int = 256,
+        max_per_address: int | None = None,
         handshake_timeout_s: float = 5.0,
         idle_s: float = 600.0,
         stall_s: float = 30.0,
@@ -134,6 +142,7 @@ class KvStreamServer:
         self.port = port
         self.mode: Mode = mode
         self.max_connections = max_connections
+        self.max_per_address = max_per_address or max_connections
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_s = idle_s
         self.stall_s = stall_s
@@ -145,7 +154,15 @@ class KvStreamServer:
         self._conns: list[_Conn] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.counts = {"connections": 0, "unauthenticated": 0, "refused": 0, "parts": 0, "bytes": 0}
+        self.counts = {
+            "connections": 0,
+            "unauthenticated": 0,
+            "refused": 0,
+            "parts": 0,
+            "bytes": 0,
+            "evicted": 0,
+            "cut": 0,
+        }
 
     def start(self) -> KvStreamServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -181,13 +198,13 @@ class KvStreamServer:
     @property
     def open_connections(self) -> int:
         with self._lock:
-            return len(self._conns)
+            return sum(not c.cut for c in self._conns)
 
     def _accept_loop(self) -> None:
         unpin_this_thread()
         while not self._stop.is_set():
             try:
-                sock, _ = self._sock.accept()
+                sock, peer = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -195,20 +212,48 @@ class KvStreamServer:
                     return
                 time.sleep(0.01)
                 continue
-            conn = _Conn(sock, time.monotonic())
+            now = time.monotonic()
+            conn = _Conn(sock, now, address=str(peer[0]), used=now)
             with self._lock:
-                if len(self._conns) >= self.max_connections:
-                    waiting = [c for c in self._conns if not c.authenticated]
-                    if not waiting:
-                        _shut(sock)
-                        continue
-                    _shut(min(waiting, key=lambda c: c.opened).sock)  # its thread removes it
+                if not self._make_room(conn.address):
+                    self.counts["cut"] += 1
+                    _shut(sock)
+                    sock.close()
+                    continue
                 self._conns.append(conn)
                 self.counts["connections"] += 1
             conn.thread = threading.Thread(
                 target=self._serve, args=(conn,), name=f"kvbridge-{self.name}-c", daemon=True
             )
             conn.thread.start()
+
+    def _make_room(self, address: str) -> bool:
+        """Under the lock: whether a new connection from `address` may open, having cut one to make room where
+        needed (the oldest that has not proved the key, else the least recently used idle authenticated one)."""
+        for pool, limit in (
+            ([c for c in self._conns if c.address == address], self.max_per_address),
+            (self._conns, self.max_connections),
+        ):
+            live = [c for c in pool if not c.cut]
+            if len(live) < limit:
+                continue
+            waiting = [c for c in live if not c.authenticated]
+            now = time.monotonic()  # a new connection gets a handshake's time to send its first request
+            idle = [
+                c
+                for c in live
+                if c.authenticated and not c.busy and (c.served or now - c.opened > self.handshake_timeout_s)
+            ]
+            if waiting:
+                victim = min(waiting, key=lambda c: c.opened)
+            elif idle:
+                victim = min(idle, key=lambda c: c.used)
+                self.counts["evicted"] += 1
+            else:
+                return False
+            victim.cut = True
+            _shut(victim.sock)  # its thread removes it
+        return True
 
     def _serve(self, conn: _Conn) -> None:
         unpin_this_thread()
@@ -232,8 +277,10 @@ class KvStreamServer:
                 request = sm.decode(payload)
                 if not isinstance(request, sm.StreamRead):
                     raise ProtocolError(f"kv stream: unexpected {type(request).__name__}")
+                conn.busy = True
                 sock.settimeout(self.stall_s)  # a reader that stops reading (gone, cut off) frees the thread
                 self._send_part(stream, request)
+                conn.used, conn.busy, conn.served = time.monotonic(), False, conn.served + 1
                 sock.settimeout(self.idle_s)
         except (KVBridgeError, OSError) as exc:
             if conn.authenticated and not self._stop.is_set():
