@@ -132,3 +132,15 @@ def test_with_a_token_check_only_key_holders_notifications_take_room_before_the_
         book.hold("r", 0.1, token="mac-of-r")
         assert taken is checked and (book.due(0.2) == ({"r"}, set())) is checked
         assert len(book._early) == (0 if checked else 8)
+
+
+def test_a_granted_read_goes_on_only_while_its_claim_stands():
+    book = held(LeaseBook(lease_s=10))
+    assert not book.still_reading("r", "tok", "decode-a", 1.0), "held, not claimed"
+    assert book.claim("r", "tok", "h", ((1, 2),), "decode-a", read_s=30, now=1.0, order=ORDER) is None
+    assert book.still_reading("r", "tok", "decode-a", 2.0)  # the control
+    assert not book.still_reading("r", "tok!", "decode-a", 2.0)
+    assert not book.still_reading("r", "tok", "decode-b", 2.0)
+    assert not book.still_reading("r", "tok", "decode-a", 1.0 + 30 + READ_MARGIN_S)
+    assert book.abort("r", "tok")
+    assert not book.still_reading("r", "tok", "decode-a", 2.0)

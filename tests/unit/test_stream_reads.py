@@ -233,3 +233,43 @@ def test_idle_connections_are_closed_by_the_reader_after_its_idle_limit(served, 
         assert _wait(lambda: server.open_connections == 1)
     finally:
         reader.reads.close()
+
+
+def test_the_blocks_are_checked_once_per_part_and_the_claim_before_every_chunk():
+    """`authorize` (which compares the blocks) runs once per part, `still` (constant cost) before every chunk; a
+    claim gone mid-part stops it (the control: a claim that stays lets every chunk through)."""
+    src = Side(5)
+    asked: list[str] = []
+    stop_after = {"n": 10**9}
+
+    def still(request):
+        asked.append("still")
+        return asked.count("still") <= stop_after["n"]
+
+    def grant(request):
+        asked.append("grant")
+        return 1e18
+
+    server = KvStreamServer(src.memory, stream_key(KEY), grant, still=still).start()
+    reader = Reader(server.port, src, kv_stream_connections=1)
+    try:
+        assert reader.load("a", list(range(100)), list(range(100))) == ""
+        assert asked.count("grant") == 1 and asked.count("still") > 3
+        asked.clear()
+        stop_after["n"] = 2
+        error = reader.load("b", list(range(100)), list(range(100)))
+        assert "not_claimed" in error and asked.count("still") == 3
+    finally:
+        reader.reads.close()
+        server.close()
+
+
+def test_a_chunk_below_64_kib_is_refused_at_decode():
+    from kvbridge.core.errors import ProtocolError
+    from kvbridge.wire import messages as wire
+    from kvbridge.wire import stream_messages as sm
+
+    fields = {"request_id": "r", "engine_id": "e", "worker": wire.Worker()}
+    assert sm.decode(sm.encode(sm.StreamRead(**fields, chunk_bytes=1 << 16))).chunk_bytes == 1 << 16  # control
+    with pytest.raises(ProtocolError):
+        sm.decode(sm.encode(sm.StreamRead(**fields, chunk_bytes=1)))

@@ -154,6 +154,7 @@ class PrefillWorker:
                 self.memory,
                 {k.key_id: k.stream for k in KeyRing.of(self.key).all},
                 self._stream_grant,
+                still=self._stream_still,
                 host=self.config.side_channel_host,
                 port=(
                     side_channel_port(self.config.kv_stream_port, ident.layout, ident.dp_rank, ident.rank)
@@ -337,6 +338,11 @@ class PrefillWorker:
         blocks = tuple(g.block_ids for g in request.groups)
         with self._lock:
             return self._leases.reading(request.request_id, request.token, request.engine_id, blocks, self.clock())
+
+    def _stream_still(self, request: StreamRead) -> bool:
+        """The KV channel asks before every chunk of a read `_stream_grant` granted: may it go on."""
+        with self._lock:
+            return self._leases.still_reading(request.request_id, request.token, request.engine_id, self.clock())
 
     def _take_note(self, msg: wire.Notify, now: float) -> bool:
         taken = self._leases.notified(msg.request_id, msg.token, msg.engine_id, str(msg.worker), msg.expected, now)

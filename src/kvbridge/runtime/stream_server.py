@@ -10,13 +10,13 @@ handshake reply tells readers). Each connection runs on a thread of its own:
     end inside the span)  ->  chunks gathered (`transport.host_copy`, the staged path's copies) and sent as
     sealed data frames  ->  StreamEnd  ->  the next StreamRead on the same connection
 
-The claim is checked again before every chunk, so a request aborted or freed meanwhile stops its stream. Bounds:
-`max_connections` open at once and `max_per_address` from one source address (when full, the oldest connection
-that has not proved the key is cut, else the least recently used authenticated one waiting for its next request
-(one that has not yet sent its first: after `handshake_timeout_s`), else the new one), the handshake within
-`handshake_timeout_s`, an idle authenticated connection closed after `idle_s`, a send that makes no progress for
-`stall_s` ends the connection, a request frame of at most `MAX_REQUEST_BYTES`, and a part no larger than the
-worker's KV.
+The claim is checked again before every chunk (`still`: held, token, reader, not lapsed; the blocks once per part), so a
+request aborted or freed meanwhile stops its stream. Bounds: `max_connections` open at once and `max_per_address` from
+one source address (when full, the oldest connection that has not proved the key is cut, else the least recently used
+authenticated one waiting for its next request (one that has not yet sent its first: after `handshake_timeout_s`), else
+the new one), the handshake within `handshake_timeout_s`, an idle authenticated connection closed after `idle_s`, a send
+that makes no progress for `stall_s` ends the connection, a request frame of at most `MAX_REQUEST_BYTES`, and a part no
+larger than the worker's KV.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class KvStreamServer:
         key: bytes | Mapping[bytes, bytes],
         authorize: Callable[[sm.StreamRead], float | None],
         *,
+        still: Callable[[sm.StreamRead], bool] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         mode: Mode = "encrypt",
@@ -134,10 +135,12 @@ class KvStreamServer:
     ) -> None:
         """`key`: the channel's key, or its keys by deployment key id (`wire.keys.DeploymentKey.stream`).
         `authorize(request)`: until when the request's reader may read those blocks (its claim's pin), or None:
-        refused."""
+        refused. `still(request)`: before every chunk of a granted read, whether it may go on (the claim still
+        held; constant cost, the blocks were checked by `authorize`); None: `authorize` again."""
         self.memory = memory
         self.key = key
         self.authorize = authorize
+        self.still = still
         self.host = host
         self.port = port
         self.mode: Mode = mode
@@ -314,8 +317,11 @@ class KvStreamServer:
         buffer = np.empty(max(s for _, _, s in chunks), dtype=np.uint8)
         sent = 0
         for index in range(request.first, len(chunks), request.step):
-            if (end := self._refusal(request)) is not None:  # aborted or freed meanwhile: stop here
-                stream.send(KIND_MESSAGE, 0, sm.encode(end))
+            going = self.still(request) if self.still is not None else self.authorize(request) is not None
+            if not going:  # aborted or freed meanwhile: stop here
+                stream.send(
+                    KIND_MESSAGE, 0, sm.encode(sm.StreamEnd(request_id=request.request_id, error="not_claimed"))
+                )
                 return
             part, pieces, size = chunks[index]
             out = buffer[:size]
