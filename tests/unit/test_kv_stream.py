@@ -237,3 +237,10 @@ def test_a_server_accepting_several_keys_picks_the_clients_by_id():
     assert isinstance(client, ks.StreamConnection) and isinstance(server, ks.StreamConnection)
     client, server = attempt(b"unknown!", KEY)
     assert isinstance(server, ks.StreamAuthError) and not isinstance(client, ks.StreamConnection)
+
+
+def test_the_channel_label_is_the_key_rings_label():
+    """transport.kv_stream.PURPOSE and wire.keys.STREAM name one label (the layers keep them apart in the code)."""
+    from kvbridge.wire.keys import STREAM
+
+    assert ks.PURPOSE == STREAM

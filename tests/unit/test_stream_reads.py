@@ -273,3 +273,13 @@ def test_a_chunk_below_64_kib_is_refused_at_decode():
     assert sm.decode(sm.encode(sm.StreamRead(**fields, chunk_bytes=1 << 16))).chunk_bytes == 1 << 16  # control
     with pytest.raises(ProtocolError):
         sm.decode(sm.encode(sm.StreamRead(**fields, chunk_bytes=1)))
+
+
+def test_a_load_launched_after_close_is_reported_failed_not_raised(served):
+    server, src = served
+    reader = Reader(server.port, src, kv_stream_connections=3)
+    assert reader.load("a", list(range(40)), list(range(40))) == ""  # the control: open, it loads
+    assert reader.reads.bytes == 40 * src.block(0).nbytes, "every scattered byte counted once"
+    reader.reads.close()
+    error = reader.load("b", list(range(40)), list(range(40)))
+    assert "shutdown" in error or "kv stream reads" in error, error

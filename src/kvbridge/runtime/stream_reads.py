@@ -19,7 +19,6 @@ part and its StreamEnd; a failed one is closed. Chunks are laid out as the stage
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -41,7 +40,7 @@ from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load
 from kvbridge.runtime.peers import Engine
 from kvbridge.transport import host_copy
-from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, StreamConnection, client_handshake
+from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, StreamConnection, client_handshake, shut
 from kvbridge.wire import messages as wire
 from kvbridge.wire import stream_messages as sm
 from kvbridge.wire.affinity import unpin_this_thread
@@ -157,8 +156,20 @@ class StreamReads:
             return
         tracker = _Tracker(load, len(jobs))
         load.descriptors = len(jobs)
-        for part, first, step in jobs:
-            self._pool.submit(self._run, tracker, part, first, step)
+        for k, (part, first, step) in enumerate(jobs):
+            try:
+                self._pool.submit(self._run, tracker, part, first, step)
+            except RuntimeError as exc:  # closed meanwhile: the jobs not submitted end here
+                with tracker.lock:
+                    if not tracker.error:
+                        tracker.error = f"kv stream reads: {exc}"
+                        for sock in tracker.socks:
+                            shut(sock)
+                    tracker.left -= len(jobs) - k
+                    last = tracker.left == 0
+                if last:
+                    self.failed(load, tracker.error)
+                return
 
     def _parts(self, load: Load, engine: Engine) -> list[_Part]:
         job, source = load.job, load.job.source
@@ -238,14 +249,15 @@ class StreamReads:
             if error and not tracker.error:
                 tracker.error = error
                 for sock in tracker.socks:  # the load's other connections stop at once
-                    _shut(sock)
+                    shut(sock)
             tracker.left -= 1
             last = tracker.left == 0
         if last:
             if tracker.error:
                 self.failed(tracker.load, tracker.error)
             else:
-                self.parts += 1
+                with self._lock:
+                    self.parts += 1
                 self.loaded(tracker.load)
 
     def _read(self, tracker: _Tracker, part: _Part, first: int, step: int) -> None:
@@ -293,7 +305,8 @@ class StreamReads:
                 host_copy.scatter(
                     self._views, seg.dst_addr, seg.dst_block_stride, seg.length, group.d_blocks, pieces, out
                 )
-                self.bytes += size
+                with self._lock:
+                    self.bytes += size
                 self._timeout(conn, load)
                 header = conn.recv_header(max(want, 1 << 20))
             kind, _, size = header
@@ -389,8 +402,3 @@ def _group_message(group: _Group) -> sm.StreamGroup:
 
 def _fields(request: sm.StreamRead) -> dict:
     return {f: getattr(request, f) for f in request.__struct_fields__}
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)

@@ -21,7 +21,6 @@ larger than the worker's KV.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -36,7 +35,7 @@ from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.run_bounds import RunBounds
 from kvbridge.core.staging import StageLayout, runs_inside
 from kvbridge.transport import host_copy
-from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, Mode, StreamConnection, server_handshake
+from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, Mode, StreamConnection, server_handshake, shut
 from kvbridge.wire import stream_messages as sm
 from kvbridge.wire.affinity import unpin_this_thread
 
@@ -185,7 +184,7 @@ class KvStreamServer:
         with self._lock:
             conns = list(self._conns)
         for conn in conns:  # first: no frame leaves once close() is called
-            _shut(conn.sock)
+            shut(conn.sock)
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._sock is not None:
@@ -193,7 +192,7 @@ class KvStreamServer:
         with self._lock:
             conns = list(self._conns)  # any accepted meanwhile
         for conn in conns:
-            _shut(conn.sock)
+            shut(conn.sock)
         for conn in conns:
             if conn.thread is not None:
                 conn.thread.join(timeout=5)
@@ -220,7 +219,7 @@ class KvStreamServer:
             with self._lock:
                 if not self._make_room(conn.address):
                     self.counts["cut"] += 1
-                    _shut(sock)
+                    shut(sock)
                     sock.close()
                     continue
                 self._conns.append(conn)
@@ -255,7 +254,7 @@ class KvStreamServer:
             else:
                 return False
             victim.cut = True
-            _shut(victim.sock)  # its thread removes it
+            shut(victim.sock)  # its thread removes it
         return True
 
     def _serve(self, conn: _Conn) -> None:
@@ -291,7 +290,7 @@ class KvStreamServer:
         except Exception:
             logger.exception("kvbridge %s: connection failed", self.name)
         finally:
-            _shut(sock)
+            shut(sock)
             sock.close()
             with self._lock:
                 if conn in self._conns:
@@ -337,8 +336,3 @@ class KvStreamServer:
         if self.authorize(request) is None:  # not claimed, lapsed, or other blocks or token
             return sm.StreamEnd(request_id=request.request_id, error="not_claimed")
         return None
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
