@@ -226,6 +226,37 @@ def test_runs_outside_the_registered_kv_are_refused(pair):
     assert [f[0] for f in frames] == [ks.KIND_MESSAGE] and sm.decode(frames[0][2]).error.startswith("outside")
 
 
+def test_a_claimed_block_with_forged_runs_reads_no_other_block(pair):
+    """A claim on some blocks, and runs forged so that they reach other blocks (shifted address, stretched stride,
+    a length over several blocks): refused before a byte is read. Control: the honest runs get exactly the claimed
+    blocks."""
+    request_id, token, src = pair.hold()
+    _claim(pair, request_id, token, src)
+    region = pair.prefill.memory.regions[0]
+    layer_bytes = region.nbytes // 2
+    block_bytes = layer_bytes // BLOCKS
+    other = next(b for b in range(BLOCKS) if b not in src)
+    request = _request(pair, request_id, token, src)
+    honest = request.groups[0]
+    shift = (other - src[0]) * block_bytes
+    forged = (
+        (tuple(a + shift for a in honest.src_addr), honest.block_stride, honest.length),  # another block's address
+        (honest.src_addr, tuple(2 * s for s in honest.block_stride), honest.length),  # a stretched stride
+        (honest.src_addr, honest.block_stride, tuple(2 * n for n in honest.length)),  # two blocks per run
+        ((region.addr + block_bytes // 2,), (block_bytes,), (block_bytes,)),  # a run across a block's end
+    )
+    for addr, stride, length in forged:
+        group = sm.StreamGroup(block_ids=honest.block_ids, src_addr=addr, block_stride=stride, length=length)
+        frames, err = _stream_read(
+            pair.prefill.stream.port, KEY, sm.StreamRead(**{**_fields(request), "groups": (group,)})
+        )
+        assert err is None and [f[0] for f in frames] == [ks.KIND_MESSAGE], (addr, stride, length)
+        assert sm.decode(frames[0][2]).error.startswith("outside"), sm.decode(frames[0][2])
+    frames, err = _stream_read(pair.prefill.stream.port, KEY, request)
+    data = b"".join(f[2] for f in frames if f[0] == ks.KIND_DATA)
+    assert err is None and data == pair.src_kv[:, src].contiguous().numpy().tobytes()
+
+
 def test_without_the_key_the_channel_sends_nothing_but_its_handshake(pair):
     request_id, token, src = pair.hold()
     _claim(pair, request_id, token, src)

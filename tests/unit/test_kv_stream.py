@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvbridge.core.config import BridgeConfig
+from kvbridge.core.config import BridgeConfig, rdma_device
 from kvbridge.core.errors import ConfigError
 from kvbridge.transport import kv_stream as ks
 
@@ -165,7 +165,9 @@ def test_an_oversized_frame_is_refused_before_it_is_read():
 # -- the configuration that keeps UCX's tcp off the network -------------------------------------------
 
 
-@pytest.mark.parametrize("devices", ["eth0", "all", "lo,eth1", "ib0", "mlx5_0:1,eth0"])
+@pytest.mark.parametrize(
+    "devices", ["eth0", "all", "lo,eth1", "ib0", "mlx5_0:1,eth0", "eth0:1", "ib0:1", "enp1s0f0:1", "mlx5_0:", ":1"]
+)
 def test_ucx_devices_beyond_loopback_refuse_to_start_without_the_opt_in(devices):
     with pytest.raises(ConfigError, match="ucx_tcp_exposes_process_memory") as err:
         BridgeConfig(ucx_net_devices=devices).ucx_devices("eth0")
@@ -184,6 +186,20 @@ def test_the_default_keeps_ucx_on_loopback_and_rdma_devices():
     assert BridgeConfig(ucx_net_devices="mlx5_0:1").nixl_crosses_hosts()
     assert BridgeConfig(ucx_tcp_exposes_process_memory=True).nixl_crosses_hosts()
     assert BridgeConfig().nixl_crosses_hosts(env_devices="mlx5_1:1")
+
+
+@pytest.mark.parametrize("device", ["mlx5_0:1", "mlx4_1:2", "bnxt_re0:1", "irdma0:1", "efa_0:1", "rxe0:1", "siw0:1"])
+def test_rdma_devices_with_a_port_are_taken(device):
+    assert rdma_device(device)
+    assert BridgeConfig(ucx_net_devices=f"{device},lo").ucx_devices("eth0") == f"{device},lo"
+    assert BridgeConfig(ucx_net_devices=device).nixl_crosses_hosts()
+    assert not rdma_device(device.split(":")[0]), "the control: without a port it is not a UCX RDMA device"
+
+
+@pytest.mark.parametrize("device", ["eth0:1", "ib0:1", "enp1s0f0:1", "bond0:0", "lo:1"])
+def test_interface_aliases_are_not_rdma_devices(device):
+    assert not rdma_device(device)
+    assert not BridgeConfig(ucx_net_devices=device).nixl_crosses_hosts()
 
 
 def test_a_server_accepting_several_keys_picks_the_clients_by_id():
@@ -221,3 +237,10 @@ def test_a_server_accepting_several_keys_picks_the_clients_by_id():
     assert isinstance(client, ks.StreamConnection) and isinstance(server, ks.StreamConnection)
     client, server = attempt(b"unknown!", KEY)
     assert isinstance(server, ks.StreamAuthError) and not isinstance(client, ks.StreamConnection)
+
+
+def test_the_channel_label_is_the_key_rings_label():
+    """transport.kv_stream.PURPOSE and wire.keys.STREAM name one label (the layers keep them apart in the code)."""
+    from kvbridge.wire.keys import STREAM
+
+    assert ks.PURPOSE == STREAM

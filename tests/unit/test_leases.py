@@ -153,3 +153,15 @@ def test_freed_requests_are_remembered_until_held_again_and_bounded():
         assert book.notified(request_id, "tok", "d", "w", 1, now=20.0)
     assert book.due(20.0) == ({"a", "b"}, set())
     assert book.freed("a", "tok") and book.freed("b", "tok") and not book.freed("r", "tok")  # the oldest forgotten
+
+
+def test_a_granted_read_goes_on_only_while_its_claim_stands():
+    book = held(LeaseBook(lease_s=10))
+    assert not book.still_reading("r", "tok", "decode-a", 1.0), "held, not claimed"
+    assert book.claim("r", "tok", "h", ((1, 2),), "decode-a", read_s=30, now=1.0, order=ORDER) is None
+    assert book.still_reading("r", "tok", "decode-a", 2.0)  # the control
+    assert not book.still_reading("r", "tok!", "decode-a", 2.0)
+    assert not book.still_reading("r", "tok", "decode-b", 2.0)
+    assert not book.still_reading("r", "tok", "decode-a", 1.0 + 30 + READ_MARGIN_S)
+    assert book.abort("r", "tok")
+    assert not book.still_reading("r", "tok", "decode-a", 2.0)

@@ -4,6 +4,7 @@ server that stops mid-part fails the load only once none of its connections can 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -15,6 +16,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.plan import make_plan
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.runtime import stream_reads
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.peers import Engine, Peer
 from kvbridge.runtime.stream_reads import StreamReads
@@ -159,3 +161,125 @@ def test_a_server_that_stops_mid_part_fails_the_load_after_its_last_scatter():
         gate.set()
         reader.reads.close()
         server.close()
+
+
+def _wait(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.parametrize("limit", ["max_connections", "max_per_address"])
+def test_a_full_server_evicts_its_least_recently_used_idle_connection(limit):
+    """Limit 2, two idle pooled connections of one reader: a second reader's load still succeeds, cutting the
+    least recently used idle connection (and a connection that never proved the key goes before either)."""
+    src = Side(5)
+    server = KvStreamServer(src.memory, stream_key(KEY), lambda r: 1e18, **{limit: 2}).start()
+    first = Reader(server.port, src, kv_stream_connections=2)
+    second = Reader(server.port, src, kv_stream_connections=1)
+    try:
+        assert first.load("a", list(range(40)), list(range(40, 80))) == ""  # chunks over both connections
+        assert _wait(lambda: server.open_connections == 2)
+        assert _wait(lambda: not any(c.busy for c in server._conns)), "both answered their StreamEnd"
+        stranger = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # never proves the key
+        assert _wait(lambda: server.counts["connections"] == 3)
+        assert second.load("b", [7, 8], [9, 10]) == "", server.counts
+        assert np.array_equal(second.dst.block(9), src.block(7))
+        assert server.counts["evicted"] == 1 and server.counts["cut"] == 0
+        assert stranger.recv(1) == b"", "the unauthenticated connection went first"
+        stranger.close()
+    finally:
+        first.reads.close()
+        second.reads.close()
+        server.close()
+
+
+def test_a_full_server_of_busy_connections_cuts_the_new_one():
+    """The control: when no connection is idle, nothing is evicted and the new connection is cut."""
+    src = Side(5)
+    gate = threading.Event()
+    server = KvStreamServer(src.memory, stream_key(KEY), lambda r: gate.wait(10) and 1e18, max_connections=1)
+    server.start()
+    first = Reader(server.port, src, kv_stream_connections=1)
+    second = Reader(server.port, src, kv_stream_connections=1)
+    try:
+        t = threading.Thread(target=first.load, args=("a", [1], [2]))
+        t.start()
+        assert _wait(lambda: any(c.busy for c in server._conns)), "its request is read: busy"
+        assert second.load("b", [3], [4]) != ""
+        assert server.counts["cut"] == 1 and server.counts["evicted"] == 0
+        gate.set()
+        t.join(10)
+        assert first.done["a"] == ""
+    finally:
+        gate.set()
+        first.reads.close()
+        second.reads.close()
+        server.close()
+
+
+def test_idle_connections_are_closed_by_the_reader_after_its_idle_limit(served, monkeypatch):
+    server, src = served
+    monkeypatch.setattr(stream_reads, "IDLE_CLOSE_S", 0.2)
+    reader = Reader(server.port, src, kv_stream_connections=1)
+    try:
+        assert reader.load("a", [1], [2]) == ""
+        assert reader.load("b", [1], [2]) == ""
+        assert server.counts["connections"] == 1, "the control: reused within the limit"
+        time.sleep(0.3)
+        assert reader.load("c", [1], [2]) == ""
+        assert server.counts["connections"] == 2, "the idle one was closed, a fresh one opened"
+        assert _wait(lambda: server.open_connections == 1)
+    finally:
+        reader.reads.close()
+
+
+def test_the_blocks_are_checked_once_per_part_and_the_claim_before_every_chunk():
+    """`authorize` (which compares the blocks) runs once per part, `still` (constant cost) before every chunk; a
+    claim gone mid-part stops it (the control: a claim that stays lets every chunk through)."""
+    src = Side(5)
+    asked: list[str] = []
+    stop_after = {"n": 10**9}
+
+    def still(request):
+        asked.append("still")
+        return asked.count("still") <= stop_after["n"]
+
+    def grant(request):
+        asked.append("grant")
+        return 1e18
+
+    server = KvStreamServer(src.memory, stream_key(KEY), grant, still=still).start()
+    reader = Reader(server.port, src, kv_stream_connections=1)
+    try:
+        assert reader.load("a", list(range(100)), list(range(100))) == ""
+        assert asked.count("grant") == 1 and asked.count("still") > 3
+        asked.clear()
+        stop_after["n"] = 2
+        error = reader.load("b", list(range(100)), list(range(100)))
+        assert "not_claimed" in error and asked.count("still") == 3
+    finally:
+        reader.reads.close()
+        server.close()
+
+
+def test_a_chunk_below_64_kib_is_refused_at_decode():
+    from kvbridge.core.errors import ProtocolError
+    from kvbridge.wire import messages as wire
+    from kvbridge.wire import stream_messages as sm
+
+    fields = {"request_id": "r", "engine_id": "e", "worker": wire.Worker()}
+    assert sm.decode(sm.encode(sm.StreamRead(**fields, chunk_bytes=1 << 16))).chunk_bytes == 1 << 16  # control
+    with pytest.raises(ProtocolError):
+        sm.decode(sm.encode(sm.StreamRead(**fields, chunk_bytes=1)))
+
+
+def test_a_load_launched_after_close_is_reported_failed_not_raised(served):
+    server, src = served
+    reader = Reader(server.port, src, kv_stream_connections=3)
+    assert reader.load("a", list(range(40)), list(range(40))) == ""  # the control: open, it loads
+    assert reader.reads.bytes == 40 * src.block(0).nbytes, "every scattered byte counted once"
+    reader.reads.close()
+    error = reader.load("b", list(range(40)), list(range(40)))
+    assert "shutdown" in error or "kv stream reads" in error, error

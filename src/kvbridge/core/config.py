@@ -14,6 +14,7 @@ on loopback (`check_exposure`).
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -78,10 +79,11 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     transport emulates READ and WRITE with active messages and checks neither memory registration nor remote keys:
     anyone who reaches its port reads and writes any memory of the process (every user's KV, the weights, the
     deployment key) and crashes it with one READ of an unmapped address, with no key and no handshake. False (the
-    default): UCX's network devices are loopback and RDMA devices only (`lo`, or names with a port such as
-    "mlx5_0:1"), anything else refuses to start naming this field, and KV moves between hosts over kvbridge's own
-    channel (`kv_stream_*`: authenticated with the deployment key, AES-GCM frames) unless RDMA devices are named.
-    Loopback tcp still serves every local user of the host (docs/security.md, "Transport")."""
+    default): UCX's network devices are loopback and RDMA devices only (`lo`, or an RDMA driver's device and port such
+    as "mlx5_0:1"; not an interface alias such as "eth0:1"), anything else refuses to start naming this field, and KV
+    moves between hosts over kvbridge's own channel (`kv_stream_*`: authenticated with the deployment key, AES-GCM
+    frames) unless RDMA devices are named. Loopback tcp still serves every local user of the host (docs/security.md,
+    "Transport")."""
 
     kv_stream_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     """Prefill side: base port of kvbridge's KV channel, on side_channel_host; the worker at (dp, pp, tp) listens on
@@ -99,6 +101,16 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     kv_stream_chunk_bytes: Annotated[int, msgspec.Meta(ge=1 << 16, le=1 << 26)] = 4 << 20
     """Decode side: bytes of KV per data frame (a run longer than this takes a frame of its own size)."""
+
+    kv_stream_max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 2048
+    """Prefill side: KV channel connections one prefill worker keeps open. A decode worker keeps up to 16 idle
+    ones per prefill worker between loads (closed after 60 s unused) plus kv_stream_connections per load in flight:
+    2048 serves 64 decode ranks. When full, the oldest connection that has not proved the key is cut, else the
+    least recently used authenticated idle one (its reader opens a fresh one when it needs it), else the new one."""
+
+    kv_stream_max_connections_per_address: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    """Prefill side: KV channel connections from one source address (a decode host of 8 GPUs keeps up to 128
+    idle); beyond it the same eviction as kv_stream_max_connections, among that address's connections."""
 
     kv_stream_threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     """Decode side: threads reading KV channel connections (one per connection in use); loads beyond them wait."""
@@ -339,9 +351,35 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
 
 
+RDMA_DRIVERS = (
+    "mlx4_",
+    "mlx5_",
+    "bnxt_re",
+    "irdma",
+    "i40iw",
+    "efa",
+    "rxe",
+    "siw",
+    "qedr",
+    "hfi1_",
+    "erdma_",
+    "hns_",
+    "cxgb4_",
+    "ocrdma",
+    "vmw_pvrdma",
+    "mana_",
+    "ionic_",
+)
+"""Name prefixes of RDMA devices (the kernel's RDMA drivers: /sys/class/infiniband/<device>)."""
+
+_RDMA_NAME = re.compile("(?:" + "|".join(re.escape(p) for p in RDMA_DRIVERS) + ")[A-Za-z0-9_]*:[0-9]+")
+
+
 def rdma_device(name: str) -> bool:
-    """Whether a UCX device name is an RDMA device and port ("mlx5_0:1"), not a network interface ("eth0")."""
-    return ":" in name and not name.startswith(":")
+    """Whether a UCX device name is an RDMA device and port ("mlx5_0:1", "bnxt_re0:1", "rxe0:1"): an RDMA
+    driver's device name, ":" and a port number. Not a network interface, nor an interface alias ("eth0",
+    "eth0:1", "ib0:1": IPoIB is tcp)."""
+    return _RDMA_NAME.fullmatch(name) is not None
 
 
 def _names(devices: str | None) -> list[str]:

@@ -197,6 +197,18 @@ class LeaseBook:
             return None
         return entry.read_until
 
+    def still_reading(self, request_id: str, token: str, reader: str, now: float) -> bool:
+        """Whether a read `reading` granted may go on: the request is still held, with this token, claimed by this
+        reader and not lapsed. Its blocks are not compared again (constant cost: asked before every chunk)."""
+        entry = self._entries.get(request_id)
+        return not (
+            entry is None
+            or not _same(entry.token, token)
+            or entry.reader != reader
+            or entry.read_until is None
+            or self._lapsed(entry, now)
+        )
+
     def notified(self, request_id: str, token: str, engine: str, worker: str, expected: int, now: float) -> bool:
         """Decode worker `worker` of engine `engine` is done with `request_id`; repeats count once.
         False if the notification was not taken (wrong token, another engine's, nowhere to keep it)."""

@@ -119,6 +119,7 @@ class PrefillWorker:
                 self.memory,
                 {k.key_id: k.stream for k in KeyRing.of(self.key).all},
                 self._stream_grant,
+                still=self._stream_still,
                 host=self.config.side_channel_host,
                 port=(
                     side_channel_port(self.config.kv_stream_port, ident.layout, ident.dp_rank, ident.rank)
@@ -126,7 +127,8 @@ class PrefillWorker:
                     else 0
                 ),
                 mode="encrypt" if self.config.kv_stream_encrypt else "integrity",
-                max_connections=self.config.side_channel_max_connections,
+                max_connections=self.config.kv_stream_max_connections,
+                max_per_address=self.config.kv_stream_max_connections_per_address,
                 handshake_timeout_s=self.config.handshake_timeout_s,
                 name=f"kv-stream-{ident.rank}",
             ).start()
@@ -267,6 +269,11 @@ class PrefillWorker:
         blocks = tuple(g.block_ids for g in request.groups)
         with self._lock:
             return self._leases.reading(request.request_id, request.token, request.engine_id, blocks, self.clock())
+
+    def _stream_still(self, request: StreamRead) -> bool:
+        """The KV channel asks before every chunk of a read `_stream_grant` granted: may it go on."""
+        with self._lock:
+            return self._leases.still_reading(request.request_id, request.token, request.engine_id, self.clock())
 
     def _take_note(self, msg: wire.Notify, now: float) -> bool:
         taken = self._leases.notified(msg.request_id, msg.token, msg.engine_id, str(msg.worker), msg.expected, now)

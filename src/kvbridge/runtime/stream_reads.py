@@ -19,7 +19,6 @@ part and its StreamEnd; a failed one is closed. Chunks are laid out as the stage
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -41,7 +40,7 @@ from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load
 from kvbridge.runtime.peers import Engine
 from kvbridge.transport import host_copy
-from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, StreamConnection, client_handshake
+from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, StreamConnection, client_handshake, shut
 from kvbridge.wire import messages as wire
 from kvbridge.wire import stream_messages as sm
 from kvbridge.wire.affinity import unpin_this_thread
@@ -51,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 MAX_IDLE_PER_ADDRESS = 16
 """Authenticated connections kept open per prefill worker between loads."""
+
+IDLE_CLOSE_S = 60.0
+"""An idle connection unused this long is closed by this side (well before the prefill worker's own idle limit,
+600 s), so that pooled connections do not hold the prefill worker's `kv_stream_max_connections` for nothing."""
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -111,7 +114,7 @@ class StreamReads:
         self.failed = failed
         self._views = host_copy.HostViews(memory.regions)
         self._lock = threading.Lock()
-        self._idle: dict[tuple[str, int], list[StreamConnection]] = {}
+        self._idle: dict[tuple[str, int], list[tuple[StreamConnection, float]]] = {}
         self._segments: dict[tuple, dict[WorkerRank, Segments]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.bytes = 0  # totals, for tests and benches
@@ -129,7 +132,7 @@ class StreamReads:
         with self._lock:
             idle, self._idle = self._idle, {}
         for conns in idle.values():
-            for conn in conns:
+            for conn, _ in conns:
                 conn.close()
 
     # -- a load -----------------------------------------------------------------------------------
@@ -153,8 +156,20 @@ class StreamReads:
             return
         tracker = _Tracker(load, len(jobs))
         load.descriptors = len(jobs)
-        for part, first, step in jobs:
-            self._pool.submit(self._run, tracker, part, first, step)
+        for k, (part, first, step) in enumerate(jobs):
+            try:
+                self._pool.submit(self._run, tracker, part, first, step)
+            except RuntimeError as exc:  # closed meanwhile: the jobs not submitted end here
+                with tracker.lock:
+                    if not tracker.error:
+                        tracker.error = f"kv stream reads: {exc}"
+                        for sock in tracker.socks:
+                            shut(sock)
+                    tracker.left -= len(jobs) - k
+                    last = tracker.left == 0
+                if last:
+                    self.failed(load, tracker.error)
+                return
 
     def _parts(self, load: Load, engine: Engine) -> list[_Part]:
         job, source = load.job, load.job.source
@@ -234,14 +249,15 @@ class StreamReads:
             if error and not tracker.error:
                 tracker.error = error
                 for sock in tracker.socks:  # the load's other connections stop at once
-                    _shut(sock)
+                    shut(sock)
             tracker.left -= 1
             last = tracker.left == 0
         if last:
             if tracker.error:
                 self.failed(tracker.load, tracker.error)
             else:
-                self.parts += 1
+                with self._lock:
+                    self.parts += 1
                 self.loaded(tracker.load)
 
     def _read(self, tracker: _Tracker, part: _Part, first: int, step: int) -> None:
@@ -289,7 +305,8 @@ class StreamReads:
                 host_copy.scatter(
                     self._views, seg.dst_addr, seg.dst_block_stride, seg.length, group.d_blocks, pieces, out
                 )
-                self.bytes += size
+                with self._lock:
+                    self.bytes += size
                 self._timeout(conn, load)
                 header = conn.recv_header(max(want, 1 << 20))
             kind, _, size = header
@@ -326,9 +343,13 @@ class StreamReads:
     def _connection(self, address: tuple[str, int], load: Load, pooled: bool = True) -> tuple[StreamConnection, bool]:
         if pooled:
             with self._lock:
+                stale = self._expire(time.monotonic())
                 idle = self._idle.get(address)
-                if idle:
-                    return idle.pop(), True
+                got = idle.pop()[0] if idle else None
+            for conn in stale:
+                conn.close()
+            if got is not None:
+                return got, True
         left = load.deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("kv stream: the load's deadline passed")
@@ -343,12 +364,28 @@ class StreamReads:
             raise
 
     def _give_back(self, address: tuple[str, int], conn: StreamConnection) -> None:
+        now = time.monotonic()
         with self._lock:
+            stale = self._expire(now)
             idle = self._idle.setdefault(address, [])
             if len(idle) < MAX_IDLE_PER_ADDRESS:
-                idle.append(conn)
-                return
-        conn.close()
+                idle.append((conn, now))
+            else:
+                stale.append(conn)
+        for old in stale:
+            old.close()
+
+    def _expire(self, now: float) -> list[StreamConnection]:
+        """Under the lock: take out the idle connections unused for IDLE_CLOSE_S (the caller closes them)."""
+        stale = []
+        for address, idle in list(self._idle.items()):
+            keep = [(c, t) for c, t in idle if now - t < IDLE_CLOSE_S]
+            stale += [c for c, t in idle if now - t >= IDLE_CLOSE_S]
+            if keep:
+                self._idle[address] = keep
+            else:
+                del self._idle[address]
+        return stale
 
 
 def _group_message(group: _Group) -> sm.StreamGroup:
@@ -365,8 +402,3 @@ def _group_message(group: _Group) -> sm.StreamGroup:
 
 def _fields(request: sm.StreamRead) -> dict:
     return {f: getattr(request, f) for f in request.__struct_fields__}
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)

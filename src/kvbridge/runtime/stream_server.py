@@ -5,20 +5,22 @@ handshake reply tells readers). Each connection runs on a thread of its own:
 
     key confirmation (`transport.kv_stream.server_handshake`; a peer that does not prove the key is cut, having
     received 32 random bytes and a MAC)  ->  StreamRead  ->  checked: claimed by this reader with these blocks and
-    this token (`authorize`, the lease book's `reading`), every run inside this worker's registered KV
-    (`core.staging.runs_inside`)  ->  chunks gathered (`transport.host_copy`, the staged path's copies) and sent as
+    this token (`authorize`, the lease book's `reading`), every run within one block of a layer of its group
+    in this worker's own layout (`core.run_bounds`: start in a span of block 0, stride that layer's block stride,
+    end inside the span)  ->  chunks gathered (`transport.host_copy`, the staged path's copies) and sent as
     sealed data frames  ->  StreamEnd  ->  the next StreamRead on the same connection
 
-The claim is checked again before every chunk, so a request aborted or freed meanwhile stops its stream. Bounds:
-`max_connections` open at once (when full, the oldest connection that has not proved the key is cut, else the new
-one), the handshake within `handshake_timeout_s`, an idle authenticated connection closed after `idle_s`, a send
-that makes no progress for `stall_s` ends the connection, a request frame of at most `MAX_REQUEST_BYTES`, and a
-part no larger than the worker's KV.
+The claim is checked again before every chunk (`still`: held, token, reader, not lapsed; the blocks once per part), so a
+request aborted or freed meanwhile stops its stream. Bounds: `max_connections` open at once and `max_per_address` from
+one source address (when full, the oldest connection that has not proved the key is cut, else the least recently used
+authenticated one waiting for its next request (one that has not yet sent its first: after `handshake_timeout_s`), else
+the new one), the handshake within `handshake_timeout_s`, an idle authenticated connection closed after `idle_s`, a send
+that makes no progress for `stall_s` ends the connection, a request frame of at most `MAX_REQUEST_BYTES`, and a part no
+larger than the worker's KV.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -30,9 +32,10 @@ import numpy as np
 
 from kvbridge.core.errors import KVBridgeError, ProtocolError
 from kvbridge.core.memory import WorkerMemory
+from kvbridge.core.run_bounds import RunBounds
 from kvbridge.core.staging import StageLayout, runs_inside
 from kvbridge.transport import host_copy
-from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, Mode, StreamConnection, server_handshake
+from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, Mode, StreamConnection, server_handshake, shut
 from kvbridge.wire import stream_messages as sm
 from kvbridge.wire.affinity import unpin_this_thread
 
@@ -61,18 +64,30 @@ class _Part:
 class _Conn:
     sock: socket.socket
     opened: float
+    address: str = ""
     authenticated: bool = False
+    busy: bool = False  # a request read and not yet answered
+    used: float = 0.0  # when its last request was answered (or it was opened)
+    served: int = 0  # requests answered
+    cut: bool = False  # shut to make room; its thread removes it
     thread: threading.Thread | None = field(default=None, repr=False)
 
 
-def plan_parts(memory: WorkerMemory, request: sm.StreamRead) -> tuple[list[_Part], str]:
-    """Each group's runs and chunks, or why the request is refused ("" if it is not)."""
+def plan_parts(
+    memory: WorkerMemory, request: sm.StreamRead, bounds: RunBounds | None = None
+) -> tuple[list[_Part], str]:
+    """Each group's runs and chunks, or why the request is refused ("" if it is not). Every run must lie within
+    one block of a layer of its group (`bounds`, from this worker's own layout): a claim names blocks, so a reader
+    names no bytes beyond those blocks."""
+    bounds = bounds if bounds is not None else RunBounds(memory)
+    if len(request.groups) > memory.num_groups:
+        return [], f"{len(request.groups)} groups for {memory.num_groups}"
     if request.chunk_bytes > MAX_CHUNK_BYTES:
         return [], f"chunk_bytes {request.chunk_bytes} above {MAX_CHUNK_BYTES}"
     parts = []
     total = 0
     kv_bytes = sum(r.nbytes for r in memory.regions)
-    for group in request.groups:
+    for g, group in enumerate(request.groups):
         if not (len(group.src_addr) == len(group.block_stride) == len(group.length)):
             return [], "segments"
         if not group.src_addr or not group.block_ids:
@@ -83,7 +98,7 @@ def plan_parts(memory: WorkerMemory, request: sm.StreamRead) -> tuple[list[_Part
         blocks = np.array(group.block_ids, dtype=np.int64)
         if int(blocks.max()) >= memory.num_blocks:
             return [], "blocks"
-        outside = runs_inside(memory.regions, addr, stride, length, blocks)
+        outside = bounds.check(g, addr, stride, length) or runs_inside(memory.regions, addr, stride, length, blocks)
         if outside:
             return [], f"outside ({outside})"
         try:
@@ -106,10 +121,12 @@ class KvStreamServer:
         key: bytes | Mapping[bytes, bytes],
         authorize: Callable[[sm.StreamRead], float | None],
         *,
+        still: Callable[[sm.StreamRead], bool] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         mode: Mode = "encrypt",
         max_connections: int = 256,
+        max_per_address: int | None = None,
         handshake_timeout_s: float = 5.0,
         idle_s: float = 600.0,
         stall_s: float = 30.0,
@@ -117,25 +134,37 @@ class KvStreamServer:
     ) -> None:
         """`key`: the channel's key, or its keys by deployment key id (`wire.keys.DeploymentKey.stream`).
         `authorize(request)`: until when the request's reader may read those blocks (its claim's pin), or None:
-        refused."""
+        refused. `still(request)`: before every chunk of a granted read, whether it may go on (the claim still
+        held; constant cost, the blocks were checked by `authorize`); None: `authorize` again."""
         self.memory = memory
         self.key = key
         self.authorize = authorize
+        self.still = still
         self.host = host
         self.port = port
         self.mode: Mode = mode
         self.max_connections = max_connections
+        self.max_per_address = max_per_address or max_connections
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_s = idle_s
         self.stall_s = stall_s
         self.name = name
         self._views = host_copy.HostViews(memory.regions)
+        self._bounds = RunBounds(memory)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._conns: list[_Conn] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.counts = {"connections": 0, "unauthenticated": 0, "refused": 0, "parts": 0, "bytes": 0}
+        self.counts = {
+            "connections": 0,
+            "unauthenticated": 0,
+            "refused": 0,
+            "parts": 0,
+            "bytes": 0,
+            "evicted": 0,
+            "cut": 0,
+        }
 
     def start(self) -> KvStreamServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -155,7 +184,7 @@ class KvStreamServer:
         with self._lock:
             conns = list(self._conns)
         for conn in conns:  # first: no frame leaves once close() is called
-            _shut(conn.sock)
+            shut(conn.sock)
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._sock is not None:
@@ -163,7 +192,7 @@ class KvStreamServer:
         with self._lock:
             conns = list(self._conns)  # any accepted meanwhile
         for conn in conns:
-            _shut(conn.sock)
+            shut(conn.sock)
         for conn in conns:
             if conn.thread is not None:
                 conn.thread.join(timeout=5)
@@ -171,13 +200,13 @@ class KvStreamServer:
     @property
     def open_connections(self) -> int:
         with self._lock:
-            return len(self._conns)
+            return sum(not c.cut for c in self._conns)
 
     def _accept_loop(self) -> None:
         unpin_this_thread()
         while not self._stop.is_set():
             try:
-                sock, _ = self._sock.accept()
+                sock, peer = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -185,20 +214,48 @@ class KvStreamServer:
                     return
                 time.sleep(0.01)
                 continue
-            conn = _Conn(sock, time.monotonic())
+            now = time.monotonic()
+            conn = _Conn(sock, now, address=str(peer[0]), used=now)
             with self._lock:
-                if len(self._conns) >= self.max_connections:
-                    waiting = [c for c in self._conns if not c.authenticated]
-                    if not waiting:
-                        _shut(sock)
-                        continue
-                    _shut(min(waiting, key=lambda c: c.opened).sock)  # its thread removes it
+                if not self._make_room(conn.address):
+                    self.counts["cut"] += 1
+                    shut(sock)
+                    sock.close()
+                    continue
                 self._conns.append(conn)
                 self.counts["connections"] += 1
             conn.thread = threading.Thread(
                 target=self._serve, args=(conn,), name=f"kvbridge-{self.name}-c", daemon=True
             )
             conn.thread.start()
+
+    def _make_room(self, address: str) -> bool:
+        """Under the lock: whether a new connection from `address` may open, having cut one to make room where
+        needed (the oldest that has not proved the key, else the least recently used idle authenticated one)."""
+        for pool, limit in (
+            ([c for c in self._conns if c.address == address], self.max_per_address),
+            (self._conns, self.max_connections),
+        ):
+            live = [c for c in pool if not c.cut]
+            if len(live) < limit:
+                continue
+            waiting = [c for c in live if not c.authenticated]
+            now = time.monotonic()  # a new connection gets a handshake's time to send its first request
+            idle = [
+                c
+                for c in live
+                if c.authenticated and not c.busy and (c.served or now - c.opened > self.handshake_timeout_s)
+            ]
+            if waiting:
+                victim = min(waiting, key=lambda c: c.opened)
+            elif idle:
+                victim = min(idle, key=lambda c: c.used)
+                self.counts["evicted"] += 1
+            else:
+                return False
+            victim.cut = True
+            shut(victim.sock)  # its thread removes it
+        return True
 
     def _serve(self, conn: _Conn) -> None:
         unpin_this_thread()
@@ -222,8 +279,10 @@ class KvStreamServer:
                 request = sm.decode(payload)
                 if not isinstance(request, sm.StreamRead):
                     raise ProtocolError(f"kv stream: unexpected {type(request).__name__}")
+                conn.busy = True
                 sock.settimeout(self.stall_s)  # a reader that stops reading (gone, cut off) frees the thread
                 self._send_part(stream, request)
+                conn.used, conn.busy, conn.served = time.monotonic(), False, conn.served + 1
                 sock.settimeout(self.idle_s)
         except (KVBridgeError, OSError) as exc:
             if conn.authenticated and not self._stop.is_set():
@@ -231,7 +290,7 @@ class KvStreamServer:
         except Exception:
             logger.exception("kvbridge %s: connection failed", self.name)
         finally:
-            _shut(sock)
+            shut(sock)
             sock.close()
             with self._lock:
                 if conn in self._conns:
@@ -246,7 +305,7 @@ class KvStreamServer:
                 self.counts["refused"] += 1
             stream.send(KIND_MESSAGE, 0, sm.encode(end))
             return
-        parts, why = plan_parts(self.memory, request)
+        parts, why = plan_parts(self.memory, request, self._bounds)
         if why:
             with self._lock:
                 self.counts["refused"] += 1
@@ -257,8 +316,11 @@ class KvStreamServer:
         buffer = np.empty(max(s for _, _, s in chunks), dtype=np.uint8)
         sent = 0
         for index in range(request.first, len(chunks), request.step):
-            if (end := self._refusal(request)) is not None:  # aborted or freed meanwhile: stop here
-                stream.send(KIND_MESSAGE, 0, sm.encode(end))
+            going = self.still(request) if self.still is not None else self.authorize(request) is not None
+            if not going:  # aborted or freed meanwhile: stop here
+                stream.send(
+                    KIND_MESSAGE, 0, sm.encode(sm.StreamEnd(request_id=request.request_id, error="not_claimed"))
+                )
                 return
             part, pieces, size = chunks[index]
             out = buffer[:size]
@@ -274,8 +336,3 @@ class KvStreamServer:
         if self.authorize(request) is None:  # not claimed, lapsed, or other blocks or token
             return sm.StreamEnd(request_id=request.request_id, error="not_claimed")
         return None
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)

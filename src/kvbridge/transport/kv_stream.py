@@ -44,7 +44,9 @@ from kvbridge.core.errors import TransferError
 Mode = Literal["encrypt", "integrity"]
 
 PURPOSE = b"kvbridge/kv-stream/v1"
-"""HKDF info of the channel's key: no other key of the deployment is derived under it."""
+"""HKDF info of the channel's key: no other key of the deployment is derived under it. The same label is
+`wire.keys.STREAM` (transport may not import wire, nor wire transport: tests/test_layers.py; a test keeps them
+equal)."""
 
 SESSION = b"kvbridge/kv-stream/session/v1/"
 MAGIC = b"KVS1"
@@ -151,7 +153,8 @@ def server_handshake(
 ) -> StreamConnection:
     """Accept a connection as the server; StreamAuthError (nothing more sent) unless the client proves its key.
     `key`: the stream key, or the stream keys this server accepts by their deployment key's id (the client names
-    one in its hello; an unknown id is cut unanswered)."""
+    one in its hello; an unknown id is answered with this side's random bytes and no confirmation, so the client
+    reports the key unproven, and then cut)."""
     hello = _recv_bytes(sock, HELLO.size)
     magic, their_mode, key_id, theirs = HELLO.unpack(hello)
     if magic != MAGIC:
@@ -254,3 +257,9 @@ class StreamConnection:
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def shut(sock: socket.socket) -> None:
+    """Shut both directions of `sock` (a thread blocked on it returns), ignoring a socket already gone."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)

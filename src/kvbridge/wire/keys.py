@@ -43,7 +43,8 @@ FRAMES = b"kvbridge side-channel frames v3"
 PARAMS = b"kvbridge kv_transfer_params signature v2"
 TOKENS = b"kvbridge request tokens v1"
 KEY_ID = b"kvbridge key id v1"
-STREAM = b"kvbridge/kv-stream/v1"  # the KV channel's key (transport.kv_stream)
+STREAM = b"kvbridge/kv-stream/v1"  # the KV channel's key: the same label is transport.kv_stream.PURPOSE (wire may
+# not import transport, nor transport wire: tests/test_layers.py; test_kv_stream.py keeps them equal)
 
 
 def derive_key(master: bytes, purpose: bytes, length: int = 32) -> bytes:

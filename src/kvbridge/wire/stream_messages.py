@@ -34,9 +34,9 @@ class StreamGroup(msgspec.Struct, frozen=True, kw_only=True):
 
 class StreamRead(msgspec.Struct, frozen=True, kw_only=True, tag="stream_read"):
     """Decode worker -> prefill worker, after a granted claim: send my part of `request_id` (every group's runs, in
-    group order, cut into chunks of at most `chunk_bytes`). `first` and `step`: only chunks first, first + step, ...
-    (a part split over several connections). Checked against the claim (token, reader, blocks) and the worker's
-    registered memory before a byte is gathered."""
+    group order, cut into chunks of at most `chunk_bytes`, at least 64 KiB: the claim is re-checked per chunk).
+    `first` and `step`: only chunks first, first + step, ... (a part split over several connections). Checked against
+    the claim (token, reader, blocks) and the worker's registered memory before a byte is gathered."""
 
     version: int = STREAM_VERSION
     request_id: Id
@@ -44,7 +44,7 @@ class StreamRead(msgspec.Struct, frozen=True, kw_only=True, tag="stream_read"):
     worker: Worker
     token: Secret = ""
     groups: Annotated[tuple[StreamGroup, ...], msgspec.Meta(max_length=64)] = ()
-    chunk_bytes: Positive = 1
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 1 << 16
     first: NonNegative = 0
     step: Positive = 1
 
