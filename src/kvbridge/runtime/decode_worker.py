@@ -57,7 +57,7 @@ from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
-from kvbridge.wire.side_channel import SideChannelClient, ThreadClients
+from kvbridge.wire.side_channel_client import SideChannelClient, ThreadClients
 
 if TYPE_CHECKING:
     import torch
