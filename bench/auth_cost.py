@@ -36,7 +36,7 @@ from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
-from kvbridge.wire.side_channel import SideChannelClient, exchange
+from kvbridge.wire.side_channel_client import SideChannelClient, exchange
 
 GEOMETRY = KVGeometry(num_layers=28, num_kv_heads=4, head_size=128, dtype="bfloat16", block_size=16)
 KEY = b"bench-deployment-key-0123456789ab"

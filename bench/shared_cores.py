@@ -38,7 +38,7 @@ from kvbridge.serving.launcher import (
 )
 from kvbridge.serving.tiny_model import build_tiny_model
 from kvbridge.wire import messages as wire
-from kvbridge.wire.side_channel import exchange
+from kvbridge.wire.side_channel_client import exchange
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
 

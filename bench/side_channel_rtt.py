@@ -25,10 +25,11 @@ CHILD = r"""
 import statistics, sys, time
 from kvbridge.wire import messages as wire
 from kvbridge.wire import side_channel as sc
+from kvbridge.wire import side_channel_client as scc
 n = int(sys.argv[1])
 server = sc.SideChannelServer(0, lambda m: wire.Ack())
 server.start()
-client = sc.SideChannelClient(timeout_s=2.0, retries=1)
+client = scc.SideChannelClient(timeout_s=2.0, retries=1)
 target = [("127.0.0.1", server.port)]
 for _ in range(50):
     client.exchange_all(target, wire.Ack())

@@ -31,7 +31,7 @@ from kvbridge.serving.launcher import (
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone, parse_prefill_done
-from kvbridge.wire.side_channel import exchange
+from kvbridge.wire.side_channel_client import exchange
 
 pytestmark = pytest.mark.vllm
 

@@ -222,7 +222,8 @@ def test_idle_connections_from_a_key_holders_own_address_do_not_cut_it(trust, mo
     from its address, a fresh keyed exchange is answered, and the oldest idle ones are the ones cut (5 cuts: 13
     connections, 8 kept). Negative control (trust=False: authenticated frames are not noted): the key holder's
     connection, the oldest, is cut (fds are reused, so the oracle is the count: its reconnection costs a 6th cut)."""
-    from kvbridge.wire.side_channel import SideChannelClient, SideChannelServer, exchange
+    from kvbridge.wire.side_channel import SideChannelServer
+    from kvbridge.wire.side_channel_client import SideChannelClient, exchange
 
     if not trust:
         monkeypatch.setattr("kvbridge.wire.side_channel.ConnectionBound.authenticated", lambda self, fd: None)

@@ -19,7 +19,7 @@ from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
-from kvbridge.wire.side_channel import exchange
+from kvbridge.wire.side_channel_client import exchange
 
 pytestmark = pytest.mark.nixl
 

@@ -30,6 +30,7 @@ from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire import params as wire_params
 from kvbridge.wire import side_channel as sc
+from kvbridge.wire import side_channel_client as scc
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone, parse_prefill_done
 from support.prefill_workers import prefill_worker
@@ -44,7 +45,7 @@ BOUNDS = {  # key: the module value it replaced
     "early_notes_per_request": leases.EARLY_NOTES_PER_REQUEST,
     "early_note_s": leases.LeaseBook(1.0).early_ttl_s,
     "side_channel_max_answer_bytes": sc.MAX_ANSWER_BYTES,
-    "side_channel_sockets_per_thread": sc.SideChannelClient().max_sockets,
+    "side_channel_sockets_per_thread": scc.SideChannelClient().max_sockets,
     "max_cached_engines": 64,
     "dead_engine_s": 10.0,
     "claim_window_s": 2.0,
@@ -206,7 +207,7 @@ def test_the_early_notification_bound_limits_what_unknown_ids_cost(kept):
     worker = make_prefill(**({} if kept is None else {"max_early_notes": kept}), early_note_s=30.0)
     try:
         answers = [
-            sc.exchange(
+            scc.exchange(
                 "127.0.0.1",
                 worker.port,
                 wire.Notify(request_id=f"never-{i}", engine_id="x", worker=wire.Worker(), expected=1, token="t"),

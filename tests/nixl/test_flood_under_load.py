@@ -329,7 +329,7 @@ def test_the_oracles_see_answers_to_a_key_holder_and_a_freed_victim(pair):
     assert got["answers"] > 0, got
     assert pair.held() == 1
     abort = wire.Abort(request_id="victim-x", engine_id="d", worker=wire.Worker(), token=token)
-    from kvbridge.wire.side_channel import exchange
+    from kvbridge.wire.side_channel_client import exchange
 
     reply = exchange(
         "127.0.0.1", pair.config.side_channel_port, abort, timeout_s=5, sealer=Sealer(KEY), identity=PREFILL_ID

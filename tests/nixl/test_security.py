@@ -22,7 +22,7 @@ from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer, destination
-from kvbridge.wire.side_channel import exchange
+from kvbridge.wire.side_channel_client import exchange
 from support.prefill_workers import prefill_worker
 
 pytestmark = pytest.mark.nixl
@@ -127,7 +127,7 @@ def test_a_flood_of_notifications_for_unknown_requests_stays_bounded(keyed):
     bounded entry."""
     before = rss_mb()
     sealer = Sealer(KEY)
-    from kvbridge.wire.side_channel import SideChannelClient
+    from kvbridge.wire.side_channel_client import SideChannelClient
 
     client = SideChannelClient(timeout_s=5, retries=0, sealer=sealer)
     try:

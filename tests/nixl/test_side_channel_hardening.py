@@ -23,7 +23,8 @@ from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
-from kvbridge.wire.side_channel import MAX_ANSWER_BYTES, exchange
+from kvbridge.wire.side_channel import MAX_ANSWER_BYTES
+from kvbridge.wire.side_channel_client import exchange
 from support.prefill_workers import prefill_worker
 
 pytestmark = pytest.mark.nixl

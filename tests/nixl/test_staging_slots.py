@@ -17,7 +17,7 @@ from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
-from kvbridge.wire.side_channel import SideChannelClient
+from kvbridge.wire.side_channel_client import SideChannelClient
 
 pytestmark = pytest.mark.nixl
 

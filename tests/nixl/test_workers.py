@@ -15,7 +15,7 @@ from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
-from kvbridge.wire.side_channel import exchange, fetch_handshake
+from kvbridge.wire.side_channel_client import exchange, fetch_handshake
 
 pytestmark = pytest.mark.nixl
 

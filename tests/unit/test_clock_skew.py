@@ -13,7 +13,8 @@ import pytest
 from kvbridge.wire import messages as wire
 from kvbridge.wire import side_channel
 from kvbridge.wire.auth import ClockSkew, Sealer, destination
-from kvbridge.wire.side_channel import SideChannelClient, SideChannelServer, exchange
+from kvbridge.wire.side_channel import SideChannelServer
+from kvbridge.wire.side_channel_client import SideChannelClient, exchange
 
 KEY = b"clock-test-deployment-key-0123456789"
 DEST = destination(5600, "p")

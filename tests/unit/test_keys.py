@@ -27,7 +27,8 @@ from kvbridge.wire.keys import (
     token_is_ours,
 )
 from kvbridge.wire.params import PrefillDone, check_binding, prompt_hash
-from kvbridge.wire.side_channel import SideChannelServer, exchange
+from kvbridge.wire.side_channel import SideChannelServer
+from kvbridge.wire.side_channel_client import exchange
 
 OLD = b"old-deployment-key-0123456789abcdef"
 NEW = b"new-deployment-key-0123456789abcdef"
@@ -233,7 +234,7 @@ def test_large_frames_round_trip_on_real_sockets():
     with SideChannelServer(0, lambda m: big, sealer=Sealer(NEW), max_message_bytes=4 << 20) as server:
         request = wire.ErrorReply(message="y" * (1 << 20))
         assert exchange("127.0.0.1", server.port, request, timeout_s=5, sealer=Sealer(NEW)) == big
-        from kvbridge.wire.side_channel import SideChannelClient
+        from kvbridge.wire.side_channel_client import SideChannelClient
 
         client = SideChannelClient(timeout_s=5, sealer=Sealer(NEW))
         try:

@@ -15,6 +15,7 @@ import pytest
 from kvbridge.core.errors import PeerGone, TransferTimeout
 from kvbridge.wire import messages as wire
 from kvbridge.wire import side_channel as sc
+from kvbridge.wire import side_channel_client as scc
 
 HOST = "127.0.0.1"
 SLOW_S = 2.0  # the answer deadline per attempt: a refusal must come long before it
@@ -39,7 +40,7 @@ def _server(port: int = 0, epoch: str = "e1") -> sc.SideChannelServer:
 
 def test_a_kept_client_fails_at_once_for_a_refusing_peer_and_still_hears_the_live_one() -> None:
     live = _server()
-    client = sc.SideChannelClient(timeout_s=SLOW_S, retries=2)
+    client = scc.SideChannelClient(timeout_s=SLOW_S, retries=2)
     try:
         dead = _free_port()
         started = time.monotonic()
@@ -56,7 +57,7 @@ def test_a_kept_client_fails_at_once_for_a_refusing_peer_and_still_hears_the_liv
 def test_a_peer_killed_between_messages_fails_the_next_one_at_once() -> None:
     server = _server()
     port = server.port
-    client = sc.SideChannelClient(timeout_s=SLOW_S, retries=2)
+    client = scc.SideChannelClient(timeout_s=SLOW_S, retries=2)
     try:
         assert client.exchange_all([(HOST, port)], wire.Ack()) == [wire.Ack(epoch="e1")]
         server.close()
@@ -74,7 +75,7 @@ def test_a_peer_restarted_on_the_same_port_is_answered_not_taken_for_gone() -> N
     """Control of the test above: the kept socket saw the old process's reset, yet the new process answers."""
     server = _server()
     port = server.port
-    client = sc.SideChannelClient(timeout_s=SLOW_S, retries=0)
+    client = scc.SideChannelClient(timeout_s=SLOW_S, retries=0)
     try:
         assert client.exchange_all([(HOST, port)], wire.Ack()) == [wire.Ack(epoch="e1")]
         server.close()
@@ -92,7 +93,7 @@ def test_a_silent_peer_is_not_taken_for_gone_it_times_out() -> None:
     with socket.socket() as silent:
         silent.bind((HOST, 0))
         silent.listen(8)
-        client = sc.SideChannelClient(timeout_s=0.3, retries=1)
+        client = scc.SideChannelClient(timeout_s=0.3, retries=1)
         try:
             started = time.monotonic()
             (answer,) = client.exchange_all([(HOST, silent.getsockname()[1])], wire.Ack())
@@ -108,5 +109,5 @@ def test_exchange_to_a_refusing_port_fails_at_once_whatever_the_retries(retries:
     port = _free_port()
     started = time.monotonic()
     with pytest.raises(PeerGone):
-        sc.exchange(HOST, port, wire.Ack(), timeout_s=SLOW_S, retries=retries)
+        scc.exchange(HOST, port, wire.Ack(), timeout_s=SLOW_S, retries=retries)
     assert time.monotonic() - started < FAST_S

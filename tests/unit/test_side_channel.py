@@ -27,6 +27,7 @@ from kvbridge.core.plan import make_plan
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire import side_channel as sc
+from kvbridge.wire import side_channel_client as scc
 
 HOST = "127.0.0.1"
 GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=4, head_size=16, dtype="bfloat16", block_size=16)
@@ -235,17 +236,17 @@ def live() -> Iterator[sc.SideChannelServer]:
 
 def assert_still_serving(server: sc.SideChannelServer) -> None:
     started = time.monotonic()
-    reply = sc.fetch_handshake(HOST, server.port, decode_request(), timeout_s=DEADLINE_S, retries=0)
+    reply = scc.fetch_handshake(HOST, server.port, decode_request(), timeout_s=DEADLINE_S, retries=0)
     assert reply.worker == wire.Worker()
     assert time.monotonic() - started < DEADLINE_S
 
 
 def test_handshake_over_a_real_socket(live: sc.SideChannelServer) -> None:
     assert live.running and live.port > 0 and live.endpoint == f"tcp://{HOST}:{live.port}"
-    reply = sc.fetch_handshake(HOST, live.port, decode_request(target=(0, WorkerRank(0, 0))))
+    reply = scc.fetch_handshake(HOST, live.port, decode_request(target=(0, WorkerRank(0, 0))))
     assert reply == prefill_reply(0, WorkerRank(0, 0))
     assert reply.memory.to_core().layer_ids() == (0, 1)
-    ack = sc.exchange(HOST, live.port, wire.Notify(request_id="r", engine_id="d", worker=wire.Worker()))
+    ack = scc.exchange(HOST, live.port, wire.Notify(request_id="r", engine_id="d", worker=wire.Worker()))
     assert ack == wire.Ack()
 
 
@@ -285,7 +286,7 @@ def test_every_worker_of_a_layout_serves_on_its_own_port() -> None:
                 for peer in plan.peers_of(decode_worker):
                     port = sc.side_channel_port(base, PREFILL, dp, peer)
                     request = decode_request(decode_worker, target=(dp, peer))
-                    reply = sc.fetch_handshake(HOST, port, request, timeout_s=DEADLINE_S, retries=0)
+                    reply = scc.fetch_handshake(HOST, port, request, timeout_s=DEADLINE_S, retries=0)
                     assert (reply.worker.dp_rank, reply.worker.rank) == (dp, peer)
                     assert reply.engine_id == f"prefill-{dp}"
                     reached.add((dp, peer))
@@ -313,7 +314,7 @@ def test_ports_computed_without_the_pp_rank_are_caught_by_the_target_check() -> 
         base = servers[WorkerRank(0, 0)].port
         seed_port = base + 0  # the seed computed base + tp_rank, so pp1/tp0 got pp0/tp0's port
         with pytest.raises(IncompatiblePeerError) as info:
-            sc.fetch_handshake(HOST, seed_port, decode_request(target=(0, WorkerRank(1, 0))), timeout_s=1)
+            scc.fetch_handshake(HOST, seed_port, decode_request(target=(0, WorkerRank(1, 0))), timeout_s=1)
         assert info.value.field == "worker"
         assert "dp0/pp1/tp0" in str(info.value) and "dp0/pp0/tp0" in str(info.value)
     finally:
@@ -333,7 +334,7 @@ def test_an_incompatible_peer_is_refused_naming_the_field(
     live: sc.SideChannelServer, geometry: KVGeometry, field: str
 ) -> None:
     with pytest.raises(IncompatiblePeerError) as info:
-        sc.fetch_handshake(HOST, live.port, decode_request(geometry=geometry), timeout_s=DEADLINE_S)
+        scc.fetch_handshake(HOST, live.port, decode_request(geometry=geometry), timeout_s=DEADLINE_S)
     theirs = getattr(GEOMETRY, field)
     assert info.value.field == field
     assert (info.value.ours, info.value.theirs) == (getattr(geometry, field), theirs)
@@ -344,7 +345,7 @@ def test_an_incompatible_peer_is_refused_naming_the_field(
 def test_another_protocol_version_is_refused(live: sc.SideChannelServer) -> None:
     request = msgspec.structs.replace(decode_request(), protocol_version=wire.PROTOCOL_VERSION + 1)
     with pytest.raises(IncompatiblePeerError) as info:
-        sc.fetch_handshake(HOST, live.port, request, timeout_s=DEADLINE_S)
+        scc.fetch_handshake(HOST, live.port, request, timeout_s=DEADLINE_S)
     assert info.value.field == "protocol_version"
     assert (info.value.ours, info.value.theirs) == (wire.PROTOCOL_VERSION + 1, wire.PROTOCOL_VERSION)
 
@@ -430,7 +431,7 @@ def test_a_port_nobody_listens_on_fails_at_once_not_after_the_bound() -> None:
     port = _free_port()
     started = time.monotonic()
     with pytest.raises(PeerGone, match=rf"{HOST}:{port} refused the connection"):
-        sc.fetch_handshake(HOST, port, decode_request(), timeout_s=2.0, retries=2)
+        scc.fetch_handshake(HOST, port, decode_request(), timeout_s=2.0, retries=2)
     assert time.monotonic() - started < 0.5
 
 
@@ -442,7 +443,7 @@ def test_a_listening_port_that_never_answers_times_out_within_the_bound() -> Non
         port = silent.getsockname()[1]
         started = time.monotonic()
         with pytest.raises(TransferTimeout, match=rf"{HOST}:{port}.*3 attempts of 0\.1 s"):
-            sc.fetch_handshake(HOST, port, decode_request(), timeout_s=0.1, retries=2)
+            scc.fetch_handshake(HOST, port, decode_request(), timeout_s=0.1, retries=2)
         elapsed = time.monotonic() - started
     assert 0.3 <= elapsed < 0.3 + 1.0
 
@@ -459,10 +460,10 @@ def test_a_slow_peer_times_out_and_the_server_recovers() -> None:
     try:
         started = time.monotonic()
         with pytest.raises(TransferTimeout, match=r"2 attempts of 0\.1 s"):
-            sc.exchange(HOST, server.port, wire.Ack(), timeout_s=0.1, retries=1)
+            scc.exchange(HOST, server.port, wire.Ack(), timeout_s=0.1, retries=1)
         assert time.monotonic() - started < 0.2 + 1.0
         release.set()
-        assert sc.exchange(HOST, server.port, wire.Ack(), timeout_s=DEADLINE_S, retries=0) == wire.Ack()
+        assert scc.exchange(HOST, server.port, wire.Ack(), timeout_s=DEADLINE_S, retries=0) == wire.Ack()
     finally:
         release.set()
         server.close()
@@ -482,7 +483,7 @@ def _claim(request_id: str) -> wire.Claim:
 
 def test_a_kept_client_asks_several_peers_at_once_and_keeps_its_sockets() -> None:
     with sc.SideChannelServer(0, _echo) as a, sc.SideChannelServer(0, _echo) as b:
-        client = sc.SideChannelClient(timeout_s=DEADLINE_S, retries=0)
+        client = scc.SideChannelClient(timeout_s=DEADLINE_S, retries=0)
         try:
             targets = [(HOST, a.port), (HOST, b.port), (HOST, a.port)]  # in order, duplicates answered once each
             assert client.exchange_all(targets, _claim("r1")) == [wire.ErrorReply(message="r1")] * 3
@@ -497,7 +498,7 @@ def test_a_kept_client_asks_several_peers_at_once_and_keeps_its_sockets() -> Non
 
 def test_a_kept_client_closes_the_least_recently_used_socket_beyond_its_bound() -> None:
     with sc.SideChannelServer(0, _echo) as a, sc.SideChannelServer(0, _echo) as b, sc.SideChannelServer(0, _echo) as c:
-        client = sc.SideChannelClient(timeout_s=DEADLINE_S, retries=0, max_sockets=2)
+        client = scc.SideChannelClient(timeout_s=DEADLINE_S, retries=0, max_sockets=2)
         try:
             for server in (a, b, a, c):  # a is used again after b: b is the least recently used when c comes
                 assert client.exchange_all([(HOST, server.port)], _claim("r")) == [wire.ErrorReply(message="r")]
@@ -517,7 +518,7 @@ def test_a_kept_client_closes_the_least_recently_used_socket_beyond_its_bound() 
 def test_a_kept_client_never_takes_a_late_answer_for_the_next_message() -> None:
     dead = _free_port()
     with sc.SideChannelServer(0, _echo) as server:
-        client = sc.SideChannelClient(timeout_s=0.1, retries=0)
+        client = scc.SideChannelClient(timeout_s=0.1, retries=0)
         try:
             started = time.monotonic()
             late, unreachable = client.exchange_all([(HOST, server.port), (HOST, dead)], _claim("slow-1"))
@@ -533,9 +534,9 @@ def test_a_kept_client_never_takes_a_late_answer_for_the_next_message() -> None:
 
 def test_client_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
-        sc.exchange(HOST, 1, wire.Ack(), timeout_s=0)
+        scc.exchange(HOST, 1, wire.Ack(), timeout_s=0)
     with pytest.raises(ValueError, match="retries"):
-        sc.exchange(HOST, 1, wire.Ack(), retries=-1)
+        scc.exchange(HOST, 1, wire.Ack(), retries=-1)
 
 
 @pytest.mark.parametrize(
@@ -550,7 +551,7 @@ def test_client_rejects_bad_arguments() -> None:
 def test_client_checks_the_answer(answer: wire.Message, error: type[Exception], match: str) -> None:
     request = decode_request(target=(0, WorkerRank(1, 1)))
     with sc.SideChannelServer(0, lambda m: answer) as server, pytest.raises(error, match=match):
-        sc.fetch_handshake(HOST, server.port, request, timeout_s=DEADLINE_S)
+        scc.fetch_handshake(HOST, server.port, request, timeout_s=DEADLINE_S)
 
 
 def test_server_lifecycle() -> None:
@@ -677,7 +678,7 @@ def test_work_while_waiting_runs_once_after_the_send_and_overlaps_the_round_trip
     """What the decode's claim does while the claim is on the wire (the CUDA IPC path checks its block ids): run
     once, after the request left (the server answers while it runs), before the answer is taken."""
     with sc.SideChannelServer(0, _echo) as server:
-        client = sc.SideChannelClient(timeout_s=DEADLINE_S, retries=0)
+        client = scc.SideChannelClient(timeout_s=DEADLINE_S, retries=0)
         try:
             ran: list[float] = []
 

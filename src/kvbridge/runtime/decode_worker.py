@@ -11,7 +11,7 @@ workers, which free the blocks at once. Every load has a deadline from the momen
 `DecodeWorker` runs that order; each read path is an object of its own that reports back to it:
 `nixl_reads.NixlReads` (READs across hosts, and the fallback) and `ipc_reads.IpcReads` (gather kernels over CUDA
 IPC on one host). Threads, so that nothing slow stands in front of a transfer:
-- control threads (a small pool): claims (which pin the request on the prefill side for the read), run only
+- control threads (a small pool): claims (`claims`: they pin the request on the prefill side for the read), run only
   once their engine is connected. Handshakes (`peers.PeerBook`: one per engine, shared by the jobs waiting for
   it) run on a pool of their own, so many slow or silent engines never hold the threads that claim for
   connected ones. One slow or dead engine holds only its own jobs; a dead one fails the next jobs to it at once
@@ -27,8 +27,6 @@ Nothing here raises into the engine.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import logging
 import queue
 import threading
@@ -38,14 +36,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.errors import KVBridgeError, RequestParamsError, TransferError, TransferTimeout
+from kvbridge.core.errors import KVBridgeError, TransferError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
-from kvbridge.core.leases import groups_digest
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.topology import WorkerRank
+from kvbridge.runtime.claims import ClaimQueue, claim_reads
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.nixl_reads import NixlReads
@@ -57,7 +53,7 @@ from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
-from kvbridge.wire.side_channel import SideChannelClient, ThreadClients
+from kvbridge.wire.side_channel_client import SideChannelClient, ThreadClients
 
 if TYPE_CHECKING:
     import torch
@@ -177,8 +173,7 @@ class DecodeWorker:
         )
         self._ready: queue.Queue[Load | None] = queue.Queue()  # claimed: to post or launch
         self._notes: queue.Queue[tuple[wire.Message, LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
-        self._claiming: dict = {}  # engine key -> claim steps on control threads (under _lock)
-        self._backlog: dict = {}  # engine key -> loads waiting for one of them
+        self._claims = ClaimQueue(self._pool, self._lock, config, self._claim_step)  # claim steps, per engine
         self._threads: list[threading.Thread] = []
 
     def start(self) -> DecodeWorker:
@@ -278,38 +273,13 @@ class DecodeWorker:
     # -- control threads: claim ---------------------------------------------------------------------
 
     def _admit(self, load: Load, connected: Future[Engine]) -> None:
-        """Run the load's claim on a control thread, at most `claims_per_engine` (config) at once per engine: a slow
-        engine's claims wait in its own backlog, never in front of other engines' (they hold control threads while
-        they wait). A load that makes no claim (verify_requests off, or nothing to read) takes its step here, on
-        the thread that connected it: handing it to a control thread would only add a thread switch."""
+        """Run the load's claim on a control thread (`claims.ClaimQueue`: at most `claims_per_engine` at once per
+        engine). A load that makes no claim (verify_requests off, or nothing to read) takes its step here, on the
+        thread that connected it: handing it to a control thread would only add a thread switch."""
         if not (self.config.verify_requests and load.job.num_blocks):
             self._claim_step(load, connected)
             return
-        key = engine_key(load.job.source)
-        with self._lock:
-            running = self._claiming.get(key, 0)
-            if running >= self.config.claims_per_engine:
-                self._backlog.setdefault(key, collections.deque()).append((load, connected))
-                return
-            self._claiming[key] = running + 1
-        self._pool.submit(self._claim_then_next, key, load, connected)
-
-    def _claim_then_next(self, key, load: Load, connected: Future[Engine]) -> None:
-        try:
-            self._claim_step(load, connected)
-        finally:
-            with self._lock:
-                backlog = self._backlog.get(key)
-                nxt = backlog.popleft() if backlog else None
-                if backlog is not None and not backlog:
-                    del self._backlog[key]
-                if nxt is None:
-                    self._claiming[key] -= 1
-                    if not self._claiming[key]:
-                        del self._claiming[key]
-            if nxt is not None:
-                with contextlib.suppress(RuntimeError):  # shut down meanwhile
-                    self._pool.submit(self._claim_then_next, key, *nxt)
+        self._claims.admit(engine_key(load.job.source), load, connected)
 
     def _claim_step(self, load: Load, connected: Future[Engine], retried: bool = False) -> None:
         """Control thread: the engine is connected (or failed); claim the request on the workers read."""
@@ -362,55 +332,16 @@ class DecodeWorker:
         return engine.plan.peers_of(self.identity.rank)
 
     def _claim(self, load: Load, engine: Engine) -> WorkerRank | None:
-        """Pin the request on every worker read (all at once); RequestParamsError if one refuses. Returns a
-        worker whose epoch changed (the engine restarted: the caller handshakes again), or None."""
-        job, source = load.job, load.job.source
-        claim = wire.Claim(
-            request_id=source.remote_request_id,
-            **wire.Claim.blocks_of(job.remote_blocks),
-            engine_id=self.identity.engine_id,
-            worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
-            token=source.remote_token,
-            prompt_hash=source.remote_prompt_hash,
-            read_timeout_s=max(0.0, load.deadline - time.monotonic()),
-            blocks_digest=groups_digest(source.group_block_ids),
+        """Pin the request on every worker read (`claims.claim_reads`); a worker whose epoch changed, or None."""
+        return claim_reads(
+            load,
+            engine,
+            self.identity,
+            self.config,
+            self._clients.get(),
+            # the CUDA IPC path checks the block ids while the claim is on the wire, not after it
+            while_waiting=(lambda: self.ipc.prepare(load)) if self._launches_here(load) else None,
         )
-        load.claim_sent = time.monotonic()
-        load.block_arrays = None  # checked for this engine only (a restarted one is claimed again)
-        window = min(load.deadline, load.claim_sent + self.config.claim_window_s)
-        pending = list(load.read_ranks)
-        backoff = Backoff(first_s=5e-3, cap_s=50e-3)
-        while pending:
-            # A prefill worker that does not hold the request yet keeps the claim until the hold comes (within
-            # `wait_s`, under the client's timeout) and answers then: no retry in the common case.
-            wait_s = max(0.0, min(window - time.monotonic(), 0.8 * self.config.handshake_timeout_s))
-            answers = self._clients.get().exchange_all(
-                [address(source, r) for r in pending],
-                msgspec.structs.replace(claim, wait_s=round(wait_s, 3)),
-                [identity(source, r) for r in pending],
-                # the CUDA IPC path checks the block ids while the claim is on the wire, not after it
-                while_waiting=(lambda: self.ipc.prepare(load)) if self._launches_here(load) else None,
-            )
-            refused = []
-            for rank, answer in zip(pending, answers, strict=True):
-                if isinstance(answer, Exception):
-                    raise answer
-                if isinstance(answer, wire.Ack):
-                    if answer.epoch and answer.epoch != engine.peers[rank].epoch:
-                        return rank
-                    continue
-                text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
-                if not isinstance(answer, wire.ErrorReply) or answer.reason is not wire.Refusal.NOT_HELD:
-                    raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")  # final
-                refused.append((rank, text))
-            if refused and time.monotonic() >= window:
-                rank, text = refused[0]
-                raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
-            pending = [r for r, _ in refused]
-            if pending:  # refused at once (its waiting claims are full, or a peer that does not wait)
-                load.claim_retries += 1
-                backoff.sleep()
-        return None
 
     # -- transfer thread ----------------------------------------------------------------------------
 

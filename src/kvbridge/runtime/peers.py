@@ -34,7 +34,8 @@ from kvbridge.runtime.host import host_id
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
-from kvbridge.wire.side_channel import Identity, fetch_handshake, side_channel_port
+from kvbridge.wire.side_channel import Identity, side_channel_port
+from kvbridge.wire.side_channel_client import fetch_handshake
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from kvbridge.transport.nixl import Backoff, Transfer
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
-from kvbridge.wire.side_channel import ThreadClients
+from kvbridge.wire.side_channel_client import ThreadClients
 
 if TYPE_CHECKING:
     from kvbridge.runtime.load import Load

@@ -17,7 +17,8 @@ from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.keys import KeyRing
 from kvbridge.wire.params import parse_prefill_done
-from kvbridge.wire.side_channel import SideChannelClient, side_channel_port
+from kvbridge.wire.side_channel import side_channel_port
+from kvbridge.wire.side_channel_client import SideChannelClient
 
 logger = logging.getLogger(__name__)
 
