@@ -62,6 +62,10 @@ __all__ = ["DecodeWorker", "LoadJob", "TransferStats"]  # LoadJob: the connector
 
 logger = logging.getLogger(__name__)
 
+NOTIFY_TIMEOUT_S = 5.0
+"""Answer deadline of one notification or abort attempt (the notifier thread; no load waits on it)."""
+NOTIFY_RETRIES = 2
+
 SLOW_LOAD_S = 2.0
 """A load that takes longer is logged with where its time went (handshake, claim, queue, wire)."""
 
@@ -491,9 +495,11 @@ class DecodeWorker:
         )
 
     def _notify_loop(self) -> None:
+        # Off every load's path: a busy prefill (a starved side-channel thread on shared cores) gets the deadline
+        # it had before the short claim deadlines; a gone one is still known at once (a refused connection).
         client = SideChannelClient(
-            timeout_s=self.config.handshake_timeout_s,
-            retries=self.config.handshake_retries,
+            timeout_s=max(NOTIFY_TIMEOUT_S, self.config.handshake_timeout_s),
+            retries=max(NOTIFY_RETRIES, self.config.handshake_retries),
             sealer=self.sealer,
             max_sockets=self.config.side_channel_sockets_per_thread,
             max_answer_bytes=self.config.side_channel_max_answer_bytes,
