@@ -10,6 +10,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from kvbridge.serving.launcher import (
@@ -229,15 +230,17 @@ def test_a_decode_server_killed_while_generating_leaves_no_prefill_blocks(pair):
     p = prompt(14, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
     assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
-    with ThreadPoolExecutor(1) as pool:
-        # a long generation keeps the request inside the decode server for seconds after its load
-        pd = pool.submit(complete, strict.url, p, 300, params, 60, ignore_eos=True)
-        running_ = wait_for(lambda: pd.done() or metric_sum(metrics(strict.url), "vllm:num_requests_running") >= 1, 30)
-        assert not pd.done(), f"the PD request ended before the kill: {pd.exception() or 'it finished'}"
-        assert running_, "the PD request was not running after 30 s"
+    # streamed, with thousands of tokens still to come: the kill lands while it generates, however fast the machine
+    body = {"prompt": p, "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    body["kv_transfer_params"] = params
+    url = strict.url + "/v1/completions"
+    with pytest.raises(httpx.TransportError), httpx.stream("POST", url, json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        assert any(line.startswith("data: {") for line in lines), "no token before the kill"
         strict.kill()
-        with pytest.raises(OSError):
-            pd.result()
+        for line in lines:
+            assert line != "data: [DONE]", "the generation ended before the kill"
     # freed at the READ's notification; were it missed, the claim pins for the decode's transfer_timeout_s (25 s)
     # + 5 s and the lease frees it after that
     assert wait_for(lambda: prefill.kv_usage() == baseline, 45), "the prefill server leaked blocks"

@@ -68,7 +68,8 @@ class FakeBackend:
     the prompt it prefilled; any other request is a decode leg, answered with `tokens` (as SSE when asked to
     stream, one chunk every `chunk_delay` s), one choice at index 0 that says what it was for (`for`: the
     prompt, the seed, and the prompt and request id of the params it got), and usage. It records every request
-    body and notices disconnects. `fail_prompts`: prompts (as `prompt_key`) answered with `status` (400)."""
+    body and notices disconnects. `fail_prompts`: prompts (as `prompt_key`) answered with `status` (400), after
+    `fail_delay` s (so that the other prompts' legs can be answered first)."""
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class FakeBackend:
         no_params: bool = False,
         crash_after: int | None = None,
         fail_prompts: tuple[str, ...] = (),
+        fail_delay: float = 0.0,
     ) -> None:
         self.name = name
         self.tokens = tokens
@@ -90,6 +92,7 @@ class FakeBackend:
         self.no_params = no_params
         self.crash_after = crash_after
         self.fail_prompts = fail_prompts
+        self.fail_delay = fail_delay
         self.healthy = True
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.clients: list[tuple[str, int]] = []  # the connection (peer address) each request came on
@@ -146,6 +149,10 @@ class FakeBackend:
                 if done:  # the caller went away while we were "working"
                     return
             failing = self.status != 200 and (not self.fail_prompts or prompt_key(body) in self.fail_prompts)
+            if failing and self.fail_delay:
+                done, _ = await asyncio.wait({watcher}, timeout=self.fail_delay)
+                if done:
+                    return
             if failing:
                 await self._json(send, self.status, {"error": {"message": f"{self.name} says no", "code": self.status}})
             elif (body.get("kv_transfer_params") or {}).get("do_remote_decode"):

@@ -114,7 +114,8 @@ def test_a_client_that_leaves_mid_stream_does_not_release(releases):
 
 def test_a_failing_sibling_releases_the_prefills_whose_decodes_had_not_begun(releases):
     """Prompt "b"'s prefill is refused; "a" and "c" were prefilled and wait on a slow decode: both released."""
-    p = FakeBackend("p", status=400, fail_prompts=(json.dumps("b"),))
+    # "b" is refused after "a" and "c" were answered, however loaded the machine: their holds exist to release
+    p = FakeBackend("p", status=400, fail_prompts=(json.dumps("b"),), fail_delay=1.0)
     slow = FakeBackend("slow", delay=5)
     for stream in (False, True):
         releases.calls.clear()
