@@ -48,7 +48,8 @@ from kvbridge.runtime.nixl_reads import NixlReads
 from kvbridge.runtime.peers import Engine, PeerBook, address, check_run, engine_key, identity
 from kvbridge.runtime.read_budget import ReadBudget, block_bytes
 from kvbridge.runtime.stream_reads import StreamReads
-from kvbridge.transport.nixl import Backoff, MemType
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl_descriptors import MemType
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
