@@ -40,7 +40,8 @@ from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.keys import KeyRing, token_is_ours
 from kvbridge.wire.later import Later
-from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
+from kvbridge.wire.side_channel import handshake_handler, side_channel_port
+from kvbridge.wire.side_channel_server import SideChannelServer
 from kvbridge.wire.stream_messages import StreamRead
 
 if TYPE_CHECKING:
