@@ -37,7 +37,9 @@ from kvbridge.core.memory import synthesize_memory  # noqa: E402
 from kvbridge.core.plan import make_plan  # noqa: E402
 from kvbridge.core.segments import worker_segments  # noqa: E402
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
-from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig  # noqa: E402
+from kvbridge.transport.backoff import Backoff  # noqa: E402
+from kvbridge.transport.nixl import NixlTransport  # noqa: E402
+from kvbridge.transport.nixl_config import TransportConfig  # noqa: E402
 
 RANK = WorkerRank(0, 0)
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # the test suite's worker h
 from nixl_peer import DecodeSide, Scenario, logical_view, prefill_main  # noqa: E402
 
 from kvbridge.core.topology import KVGeometry, ParallelLayout  # noqa: E402
-from kvbridge.transport.nixl import TransportConfig  # noqa: E402
+from kvbridge.transport.nixl_config import TransportConfig  # noqa: E402
 
 PAIRS = {
     "pp2tp1->pp1tp2": (ParallelLayout(pp=2, tp=1), ParallelLayout(pp=1, tp=2)),

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvbridge.transport.nixl import Backoff  # noqa: E402
+from kvbridge.transport.backoff import Backoff  # noqa: E402
 
 
 def cycles_for(seconds: float) -> int:

@@ -59,7 +59,9 @@ from kvbridge.core.memory import NAMED_LAYOUTS, WorkerMemory, synthesize_memory 
 from kvbridge.core.plan import TransferPlan, make_plan  # noqa: E402
 from kvbridge.core.segments import worker_segments  # noqa: E402
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
-from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig  # noqa: E402
+from kvbridge.transport.backoff import Backoff  # noqa: E402
+from kvbridge.transport.nixl import NixlTransport  # noqa: E402
+from kvbridge.transport.nixl_config import TransportConfig  # noqa: E402
 
 PAIRS = {
     "pp2->pp1": ("pp=2", "pp=1"),

@@ -163,7 +163,7 @@ def summary(r: dict, copies: dict[int, float]) -> str:
     gpus = [t for w in workers for t in w["gpu_times_s"][1:]]
     gpu = statistics.median(gpus) if gpus else float("nan")
     r.update(ok=ok, warm_median_s=med, post_median_s=post, gpu_median_s=gpu, copy_s=copy)
-    # Each warm load's timeline (decode_worker.PHASES): host posting = handshake (the hand-off to the thread that
+    # Each warm load's timeline (transfer_stats.PHASES): host posting = handshake (the hand-off to the thread that
     # claims) + queue (claim granted -> taken by its path) + post (-> kernels queued or READs posted); claim is the
     # side-channel round trip.
     names = sorted({n for w in workers for n in w.get("phases_s", {})})

@@ -49,8 +49,10 @@ from kvbridge.runtime.load import Load, LoadJob  # noqa: E402
 from kvbridge.runtime.peers import Engine, Peer  # noqa: E402
 from kvbridge.runtime.stream_reads import StreamReads  # noqa: E402
 from kvbridge.runtime.stream_server import KvStreamServer  # noqa: E402
+from kvbridge.transport.backoff import Backoff  # noqa: E402
 from kvbridge.transport.kv_stream import stream_key  # noqa: E402
-from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig  # noqa: E402
+from kvbridge.transport.nixl import NixlTransport  # noqa: E402
+from kvbridge.transport.nixl_config import TransportConfig  # noqa: E402
 from kvbridge.wire.params import PrefillDone  # noqa: E402
 
 RANK = WorkerRank(0, 0)

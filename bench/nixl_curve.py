@@ -53,7 +53,10 @@ from kvbridge.core.memory import Region, WorkerMemory, layout_nbytes, synthesize
 from kvbridge.core.plan import make_plan  # noqa: E402
 from kvbridge.core.segments import worker_segments  # noqa: E402
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
-from kvbridge.transport.nixl import Backoff, NixlTransport, PreparedLists, TransportConfig  # noqa: E402
+from kvbridge.transport.backoff import Backoff  # noqa: E402
+from kvbridge.transport.nixl import NixlTransport  # noqa: E402
+from kvbridge.transport.nixl_config import TransportConfig  # noqa: E402
+from kvbridge.transport.nixl_prepared import PreparedLists  # noqa: E402
 
 PAIRS = {"same": ("tp=1", "tp=1"), "2:1": ("tp=2", "tp=1"), "1:2": ("tp=1", "tp=2"), "4:1": ("tp=4", "tp=1")}
 """TP ratio (prefill:decode) -> layouts; decode worker 0 is measured."""

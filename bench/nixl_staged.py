@@ -57,10 +57,13 @@ from kvbridge.runtime.nixl_reader import NixlReader  # noqa: E402
 from kvbridge.runtime.peers import Peer  # noqa: E402
 from kvbridge.runtime.staged_reads import StagedReads  # noqa: E402
 from kvbridge.runtime.staging import Stager  # noqa: E402
-from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig  # noqa: E402
+from kvbridge.transport.backoff import Backoff  # noqa: E402
+from kvbridge.transport.nixl import NixlTransport  # noqa: E402
+from kvbridge.transport.nixl_config import TransportConfig  # noqa: E402
 from kvbridge.wire import messages as wire  # noqa: E402
 from kvbridge.wire.params import PrefillDone  # noqa: E402
-from kvbridge.wire.side_channel import SideChannelServer, side_channel_port  # noqa: E402
+from kvbridge.wire.side_channel import side_channel_port  # noqa: E402
+from kvbridge.wire.side_channel_server import SideChannelServer  # noqa: E402
 
 DECODE = curve.DECODE
 WAYS = ("direct", "staged", "anchor")

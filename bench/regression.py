@@ -183,7 +183,7 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
 
 
 CPU_PHASES = ("claim", "queue", "post", "wire", "report", "hop")
-"""Load phases read from vllm:kvbridge_load_phase_seconds where the commit exports it (decode_worker.PHASES)."""
+"""Load phases read from vllm:kvbridge_load_phase_seconds where the commit exports it (transfer_stats.PHASES)."""
 HOLD_PHASES = ("hold", "claim", "release")  # the prefill's: finished -> held -> claim answered -> released
 
 

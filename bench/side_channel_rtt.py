@@ -26,8 +26,9 @@ import statistics, sys, time
 from kvbridge.wire import messages as wire
 from kvbridge.wire import side_channel as sc
 from kvbridge.wire import side_channel_client as scc
+from kvbridge.wire import side_channel_server as scs
 n = int(sys.argv[1])
-server = sc.SideChannelServer(0, lambda m: wire.Ack())
+server = scs.SideChannelServer(0, lambda m: wire.Ack())
 server.start()
 client = scc.SideChannelClient(timeout_s=2.0, retries=1)
 target = [("127.0.0.1", server.port)]

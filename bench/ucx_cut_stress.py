@@ -77,7 +77,9 @@ from kvbridge.core.errors import KVBridgeError  # noqa: E402
 from kvbridge.core.memory import synthesize_memory  # noqa: E402
 from kvbridge.core.plan import make_plan  # noqa: E402
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank  # noqa: E402
-from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig  # noqa: E402
+from kvbridge.transport.backoff import Backoff  # noqa: E402
+from kvbridge.transport.nixl import NixlTransport  # noqa: E402
+from kvbridge.transport.nixl_config import TransportConfig  # noqa: E402
 
 RANK = WorkerRank(0, 0)
 LAYOUT = "KV_HND"  # [2, blocks, heads, tokens, head] per layer: a scattered block is one descriptor per layer and plane

@@ -121,7 +121,9 @@ def test_a_flush_read_from_gpu_memory_completes_and_writes_no_kv():
     import time
 
     from kvbridge.core.memory import Region, WorkerMemory
-    from kvbridge.transport.nixl import FLUSH_BYTES, Backoff, NixlTransport, TransportConfig
+    from kvbridge.transport.backoff import Backoff
+    from kvbridge.transport.nixl import FLUSH_BYTES, NixlTransport
+    from kvbridge.transport.nixl_config import TransportConfig
 
     src = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda:0")
     dst = torch.zeros((1 << 20,), dtype=torch.uint8, device=DECODE_DEVICE)

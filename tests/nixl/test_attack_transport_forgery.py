@@ -222,11 +222,13 @@ def test_idle_connections_from_a_key_holders_own_address_do_not_cut_it(trust, mo
     from its address, a fresh keyed exchange is answered, and the oldest idle ones are the ones cut (5 cuts: 13
     connections, 8 kept). Negative control (trust=False: authenticated frames are not noted): the key holder's
     connection, the oldest, is cut (fds are reused, so the oracle is the count: its reconnection costs a 6th cut)."""
-    from kvbridge.wire.side_channel import SideChannelServer
     from kvbridge.wire.side_channel_client import SideChannelClient, exchange
+    from kvbridge.wire.side_channel_server import SideChannelServer
 
     if not trust:
-        monkeypatch.setattr("kvbridge.wire.side_channel.ConnectionBound.authenticated", lambda self, fd: None)
+        monkeypatch.setattr(
+            "kvbridge.wire.side_channel_connections.ConnectionBound.authenticated", lambda self, fd: None
+        )
     server = SideChannelServer(
         0, lambda m: wire.Ack(request_id="ok"), "127.0.0.1", max_connections_per_address=8, sealer=Sealer(KEY)
     )
@@ -265,13 +267,13 @@ def test_dropped_frames_are_reported_at_a_bounded_rate(caplog):
     the interval the next drop is reported again."""
     import logging
 
-    from kvbridge.wire.side_channel import SideChannelServer
+    from kvbridge.wire.side_channel_server import SideChannelServer
 
     server = SideChannelServer(0, lambda m: wire.Ack(), "127.0.0.1", sealer=Sealer(KEY))
     server.drop_warning_s = 1.0
     server.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="kvbridge.wire.side_channel"):
+        with caplog.at_level(logging.WARNING, logger="kvbridge.wire.side_channel_server"):
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://127.0.0.1:{server.port}")

@@ -10,12 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.core.descriptors import PreparedTable, block_runs, expand, prefer_prepared, worker_descriptors
-from kvbridge.core.errors import RequestParamsError
+from kvbridge.core.errors import RequestParamsError, TransferError
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.plan import make_plan
 from kvbridge.core.segments import worker_segments
 from kvbridge.core.topology import KVGeometry, ParallelLayout
-from kvbridge.transport.nixl import Backoff, NixlTransport, TransferError
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl import NixlTransport
 
 GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=4, head_size=8, dtype="float32", block_size=4)
 VLLM_LAYOUTS = ["LBNHC", "LBHNC"]  # vLLM 0.32's GPU layouts (pages of one geometry: any pair copies)

@@ -231,7 +231,7 @@ def test_idle_connections_from_one_address_do_not_lock_other_peers_out(idle):
     With 5 and 12 it is full: a bound that cut the newest connection whoever it came from (b2beea8) let one
     outsider lock every peer out (at the default 512: 520 idle connections, three legit handshakes in a row timed
     out at 5 s); the bound now cuts from the address holding the most, so the handshake is answered."""
-    from kvbridge.wire.side_channel import SideChannelServer
+    from kvbridge.wire.side_channel_server import SideChannelServer
 
     sealer = Sealer(KEY)
     server = SideChannelServer(

@@ -17,14 +17,10 @@ from kvbridge.core.descriptors import Descriptors, worker_descriptors
 from kvbridge.core.errors import TransferError, TransferTimeout
 from kvbridge.core.memory import Region, WorkerMemory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
-from kvbridge.transport.nixl import (
-    FLUSH_BYTES,
-    Backoff,
-    NixlTransport,
-    TransportConfig,
-    apply_ucx_env,
-    descriptor_arrays,
-)
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl import FLUSH_BYTES, NixlTransport
+from kvbridge.transport.nixl_config import TransportConfig, apply_ucx_env
+from kvbridge.transport.nixl_descriptors import descriptor_arrays
 from support.nixl_peer import (
     DecodeSide,
     Scenario,

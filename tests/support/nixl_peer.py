@@ -27,7 +27,9 @@ from kvbridge.core.descriptors import worker_descriptors
 from kvbridge.core.memory import NAMED_LAYOUTS, WorkerMemory, synthesize_memory
 from kvbridge.core.plan import TransferPlan, make_plan
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
-from kvbridge.transport.nixl import Backoff, NixlTransport, TransportConfig
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl import NixlTransport
+from kvbridge.transport.nixl_config import TransportConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -18,7 +18,7 @@ from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.nixl_reader import NixlReader
 from kvbridge.runtime.nixl_reads import NixlReads
-from kvbridge.transport.nixl import Transfer
+from kvbridge.transport.nixl_descriptors import Transfer
 from kvbridge.wire import messages as wire
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)

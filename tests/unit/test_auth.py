@@ -10,8 +10,8 @@ from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.keys import load_keys
 from kvbridge.wire.params import PrefillDone, check_binding, parse_prefill_done, prompt_hash
-from kvbridge.wire.side_channel import SideChannelServer
 from kvbridge.wire.side_channel_client import exchange
+from kvbridge.wire.side_channel_server import SideChannelServer
 
 KEY = b"k" * 32
 OTHER = b"o" * 32

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from kvbridge.wire import messages as wire
-from kvbridge.wire import side_channel
+from kvbridge.wire import side_channel_server
 from kvbridge.wire.auth import ClockSkew, Sealer, destination
-from kvbridge.wire.side_channel import SideChannelServer
 from kvbridge.wire.side_channel_client import SideChannelClient, exchange
+from kvbridge.wire.side_channel_server import SideChannelServer
 
 KEY = b"clock-test-deployment-key-0123456789"
 DEST = destination(5600, "p")
@@ -75,13 +75,13 @@ def test_negative_control_without_the_stale_answer_a_skewed_host_times_out_silen
     """What the stale answer prevents: a server that drops a stale request unanswered (the former behaviour)
     leaves its peer with nothing but a timeout that says nothing of clocks."""
     monkeypatch.setattr(Sealer, "seal_stale", lambda self, ticket: None)
-    real = side_channel._answer_frames
+    real = side_channel_server._answer_frames
 
     def drop_stale(frames, handler, sealer=None, dest=0):
         answer = real(frames, handler, sealer, dest)
         return None if answer is not None and answer[-1] is None else answer
 
-    monkeypatch.setattr(side_channel, "_answer_frames", drop_stale)
+    monkeypatch.setattr(side_channel_server, "_answer_frames", drop_stale)
     with pytest.raises(Exception, match="no answer") as err:
         exchange("127.0.0.1", skewed_server.port, wire.Ack(), timeout_s=0.5, retries=0, sealer=Sealer(KEY))
     assert "clock" not in str(err.value)

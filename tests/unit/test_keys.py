@@ -27,8 +27,8 @@ from kvbridge.wire.keys import (
     token_is_ours,
 )
 from kvbridge.wire.params import PrefillDone, check_binding, prompt_hash
-from kvbridge.wire.side_channel import SideChannelServer
 from kvbridge.wire.side_channel_client import exchange
+from kvbridge.wire.side_channel_server import SideChannelServer
 
 OLD = b"old-deployment-key-0123456789abcdef"
 NEW = b"new-deployment-key-0123456789abcdef"

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.runtime.nixl_reads import NixlReads
-from kvbridge.transport.nixl import Transfer
+from kvbridge.transport.nixl_descriptors import Transfer
 from support.nixl_reads_fakes import RANKS, FakeTransport, make_load, make_reads, note
 
 AGENT = "prefill-tp0"

@@ -14,8 +14,8 @@ import pytest
 
 from kvbridge.core.errors import PeerGone, TransferTimeout
 from kvbridge.wire import messages as wire
-from kvbridge.wire import side_channel as sc
 from kvbridge.wire import side_channel_client as scc
+from kvbridge.wire import side_channel_server as scs
 
 HOST = "127.0.0.1"
 SLOW_S = 2.0  # the answer deadline per attempt: a refusal must come long before it
@@ -32,8 +32,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _server(port: int = 0, epoch: str = "e1") -> sc.SideChannelServer:
-    server = sc.SideChannelServer(port, lambda m: wire.Ack(epoch=epoch))
+def _server(port: int = 0, epoch: str = "e1") -> scs.SideChannelServer:
+    server = scs.SideChannelServer(port, lambda m: wire.Ack(epoch=epoch))
     server.start()
     return server
 

@@ -28,6 +28,8 @@ from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire import side_channel as sc
 from kvbridge.wire import side_channel_client as scc
+from kvbridge.wire import side_channel_server as scs
+from kvbridge.wire.side_channel_connections import ConnectionBound
 
 HOST = "127.0.0.1"
 GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=4, head_size=16, dtype="bfloat16", block_size=16)
@@ -187,7 +189,7 @@ def test_respond_turns_garbage_and_handler_failures_into_error_replies() -> None
     ],
 )
 def test_answer_frames_keeps_the_envelope(frames: list[bytes], envelope: list[bytes]) -> None:
-    answer = sc._answer_frames(frames, lambda m: wire.Ack(request_id="seen"))
+    answer = scs._answer_frames(frames, lambda m: wire.Ack(request_id="seen"))
     assert answer[:-1] == envelope
     body = frames[len(envelope) :]
     expected = (
@@ -202,13 +204,13 @@ def test_answer_frames_keeps_the_envelope(frames: list[bytes], envelope: list[by
 
 
 def start_servers(
-    make: Callable[[int], dict[object, sc.SideChannelServer]], attempts: int = 20
-) -> dict[object, sc.SideChannelServer]:
+    make: Callable[[int], dict[object, scs.SideChannelServer]], attempts: int = 20
+) -> dict[object, scs.SideChannelServer]:
     """Start the servers `make(base_port)` returns, retrying other random bases if a port is taken."""
     rng = random.Random()
     for _ in range(attempts):
         servers = make(rng.randrange(20000, 60000))
-        started: list[sc.SideChannelServer] = []
+        started: list[scs.SideChannelServer] = []
         try:
             for server in servers.values():
                 server.start()
@@ -222,10 +224,10 @@ def start_servers(
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[sc.SideChannelServer]:
+def live() -> Iterator[scs.SideChannelServer]:
     """One prefill worker's server on a free port (module-wide, so fuzzing hits one long-lived server)."""
     reply = prefill_reply(0, WorkerRank(0, 0))
-    server = sc.SideChannelServer(0, sc.handshake_handler(reply, lambda m: wire.Ack()), HOST)
+    server = scs.SideChannelServer(0, sc.handshake_handler(reply, lambda m: wire.Ack()), HOST)
     server.start()
     try:
         yield server
@@ -234,14 +236,14 @@ def live() -> Iterator[sc.SideChannelServer]:
     assert not server.running
 
 
-def assert_still_serving(server: sc.SideChannelServer) -> None:
+def assert_still_serving(server: scs.SideChannelServer) -> None:
     started = time.monotonic()
     reply = scc.fetch_handshake(HOST, server.port, decode_request(), timeout_s=DEADLINE_S, retries=0)
     assert reply.worker == wire.Worker()
     assert time.monotonic() - started < DEADLINE_S
 
 
-def test_handshake_over_a_real_socket(live: sc.SideChannelServer) -> None:
+def test_handshake_over_a_real_socket(live: scs.SideChannelServer) -> None:
     assert live.running and live.port > 0 and live.endpoint == f"tcp://{HOST}:{live.port}"
     reply = scc.fetch_handshake(HOST, live.port, decode_request(target=(0, WorkerRank(0, 0))))
     assert reply == prefill_reply(0, WorkerRank(0, 0))
@@ -250,7 +252,7 @@ def test_handshake_over_a_real_socket(live: sc.SideChannelServer) -> None:
     assert ack == wire.Ack()
 
 
-def test_a_req_socket_is_answered_too(live: sc.SideChannelServer) -> None:
+def test_a_req_socket_is_answered_too(live: scs.SideChannelServer) -> None:
     sock = zmq.Context.instance().socket(zmq.REQ)
     try:
         sock.setsockopt(zmq.LINGER, 0)
@@ -266,9 +268,9 @@ def test_every_worker_of_a_layout_serves_on_its_own_port() -> None:
     """dp=2, pp=2, tp=2 prefill workers all serve at once; each decode worker reaches its peers by the same
     port computation, and every answer comes from the worker it meant to reach."""
 
-    def make(base: int) -> dict[object, sc.SideChannelServer]:
+    def make(base: int) -> dict[object, scs.SideChannelServer]:
         return {
-            (dp, rank): sc.SideChannelServer(
+            (dp, rank): scs.SideChannelServer(
                 sc.side_channel_port(base, PREFILL, dp, rank), sc.handshake_handler(prefill_reply(dp, rank))
             )
             for dp in range(PREFILL.dp)
@@ -299,10 +301,10 @@ def test_every_worker_of_a_layout_serves_on_its_own_port() -> None:
 def test_ports_computed_without_the_pp_rank_are_caught_by_the_target_check() -> None:
     """A decode side computing ports without the pp rank reaches pp0's worker when it means pp1's."""
 
-    def make(base: int) -> dict[object, sc.SideChannelServer]:
+    def make(base: int) -> dict[object, scs.SideChannelServer]:
         layout = ParallelLayout(pp=2, tp=1)
         return {
-            rank: sc.SideChannelServer(
+            rank: scs.SideChannelServer(
                 sc.side_channel_port(base, layout, 0, rank),
                 sc.handshake_handler(prefill_reply(0, rank, layout)),
             )
@@ -331,7 +333,7 @@ def test_ports_computed_without_the_pp_rank_are_caught_by_the_target_check() -> 
     ],
 )
 def test_an_incompatible_peer_is_refused_naming_the_field(
-    live: sc.SideChannelServer, geometry: KVGeometry, field: str
+    live: scs.SideChannelServer, geometry: KVGeometry, field: str
 ) -> None:
     with pytest.raises(IncompatiblePeerError) as info:
         scc.fetch_handshake(HOST, live.port, decode_request(geometry=geometry), timeout_s=DEADLINE_S)
@@ -342,7 +344,7 @@ def test_an_incompatible_peer_is_refused_naming_the_field(
     assert_still_serving(live)
 
 
-def test_another_protocol_version_is_refused(live: sc.SideChannelServer) -> None:
+def test_another_protocol_version_is_refused(live: scs.SideChannelServer) -> None:
     request = msgspec.structs.replace(decode_request(), protocol_version=wire.PROTOCOL_VERSION + 1)
     with pytest.raises(IncompatiblePeerError) as info:
         scc.fetch_handshake(HOST, live.port, request, timeout_s=DEADLINE_S)
@@ -350,7 +352,7 @@ def test_another_protocol_version_is_refused(live: sc.SideChannelServer) -> None
     assert (info.value.ours, info.value.theirs) == (wire.PROTOCOL_VERSION + 1, wire.PROTOCOL_VERSION)
 
 
-def _send_frames(server: sc.SideChannelServer, frames: list[bytes]) -> list[bytes] | None:
+def _send_frames(server: scs.SideChannelServer, frames: list[bytes]) -> list[bytes] | None:
     """Send raw frames from a DEALER; the answer's frames, or None if none came within the deadline."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     try:
@@ -366,7 +368,9 @@ def _send_frames(server: sc.SideChannelServer, frames: list[bytes]) -> list[byte
 
 @settings(max_examples=40)
 @given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
-def test_fuzzed_frames_are_answered_and_never_stall_the_server(live: sc.SideChannelServer, frames: list[bytes]) -> None:
+def test_fuzzed_frames_are_answered_and_never_stall_the_server(
+    live: scs.SideChannelServer, frames: list[bytes]
+) -> None:
     answer = _send_frames(live, frames)
     assert answer is not None, "the server did not answer"
     body = answer[-1]
@@ -379,7 +383,7 @@ _REQUEST_BYTES = wire.encode(decode_request())
 
 @settings(max_examples=20)
 @given(st.integers(0, len(_REQUEST_BYTES) - 1))
-def test_truncated_requests_get_an_error_reply(live: sc.SideChannelServer, cut: int) -> None:
+def test_truncated_requests_get_an_error_reply(live: scs.SideChannelServer, cut: int) -> None:
     answer = _send_frames(live, [_REQUEST_BYTES[:cut]])
     assert answer is not None and len(answer) == 1
     error = wire.decode(answer[0])
@@ -388,7 +392,7 @@ def test_truncated_requests_get_an_error_reply(live: sc.SideChannelServer, cut: 
 
 
 def test_oversized_frames_are_dropped_without_harm() -> None:
-    server = sc.SideChannelServer(0, sc.handshake_handler(prefill_reply(0, WorkerRank(0, 0))), max_message_bytes=1024)
+    server = scs.SideChannelServer(0, sc.handshake_handler(prefill_reply(0, WorkerRank(0, 0))), max_message_bytes=1024)
     server.start()
     try:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -404,7 +408,7 @@ def test_oversized_frames_are_dropped_without_harm() -> None:
         server.close()
 
 
-def test_raw_tcp_garbage_and_silent_connections_do_not_stall_the_server(live: sc.SideChannelServer) -> None:
+def test_raw_tcp_garbage_and_silent_connections_do_not_stall_the_server(live: scs.SideChannelServer) -> None:
     silent = socket.create_connection((HOST, live.port), timeout=DEADLINE_S)
     try:
         rng = random.Random(7)
@@ -455,7 +459,7 @@ def test_a_slow_peer_times_out_and_the_server_recovers() -> None:
         release.wait(DEADLINE_S)
         return wire.Ack()
 
-    server = sc.SideChannelServer(0, slow)
+    server = scs.SideChannelServer(0, slow)
     server.start()
     try:
         started = time.monotonic()
@@ -482,7 +486,7 @@ def _claim(request_id: str) -> wire.Claim:
 
 
 def test_a_kept_client_asks_several_peers_at_once_and_keeps_its_sockets() -> None:
-    with sc.SideChannelServer(0, _echo) as a, sc.SideChannelServer(0, _echo) as b:
+    with scs.SideChannelServer(0, _echo) as a, scs.SideChannelServer(0, _echo) as b:
         client = scc.SideChannelClient(timeout_s=DEADLINE_S, retries=0)
         try:
             targets = [(HOST, a.port), (HOST, b.port), (HOST, a.port)]  # in order, duplicates answered once each
@@ -497,7 +501,11 @@ def test_a_kept_client_asks_several_peers_at_once_and_keeps_its_sockets() -> Non
 
 
 def test_a_kept_client_closes_the_least_recently_used_socket_beyond_its_bound() -> None:
-    with sc.SideChannelServer(0, _echo) as a, sc.SideChannelServer(0, _echo) as b, sc.SideChannelServer(0, _echo) as c:
+    with (
+        scs.SideChannelServer(0, _echo) as a,
+        scs.SideChannelServer(0, _echo) as b,
+        scs.SideChannelServer(0, _echo) as c,
+    ):
         client = scc.SideChannelClient(timeout_s=DEADLINE_S, retries=0, max_sockets=2)
         try:
             for server in (a, b, a, c):  # a is used again after b: b is the least recently used when c comes
@@ -517,7 +525,7 @@ def test_a_kept_client_closes_the_least_recently_used_socket_beyond_its_bound() 
 
 def test_a_kept_client_never_takes_a_late_answer_for_the_next_message() -> None:
     dead = _free_port()
-    with sc.SideChannelServer(0, _echo) as server:
+    with scs.SideChannelServer(0, _echo) as server:
         client = scc.SideChannelClient(timeout_s=0.1, retries=0)
         try:
             started = time.monotonic()
@@ -550,19 +558,19 @@ def test_client_rejects_bad_arguments() -> None:
 )
 def test_client_checks_the_answer(answer: wire.Message, error: type[Exception], match: str) -> None:
     request = decode_request(target=(0, WorkerRank(1, 1)))
-    with sc.SideChannelServer(0, lambda m: answer) as server, pytest.raises(error, match=match):
+    with scs.SideChannelServer(0, lambda m: answer) as server, pytest.raises(error, match=match):
         scc.fetch_handshake(HOST, server.port, request, timeout_s=DEADLINE_S)
 
 
 def test_server_lifecycle() -> None:
-    server = sc.SideChannelServer(0, lambda m: wire.Ack(), poll_interval_s=0.05)
+    server = scs.SideChannelServer(0, lambda m: wire.Ack(), poll_interval_s=0.05)
     assert not server.running
     server.close()  # closing what never started is a no-op
     server.start()
     try:
         with pytest.raises(RuntimeError, match="already started"):
             server.start()
-        taken = sc.SideChannelServer(server.port, lambda m: wire.Ack())
+        taken = scs.SideChannelServer(server.port, lambda m: wire.Ack())
         with pytest.raises(OSError, match="cannot bind"):
             taken.start()
         assert not taken.running
@@ -610,7 +618,7 @@ def test_connections_beyond_the_bound_are_cut(limit: int) -> None:
     and once the flood leaves, peers are served again. Negative control: under the default bound the same 10
     connections are all kept."""
     reply = prefill_reply(0, WorkerRank(0, 0))
-    server = sc.SideChannelServer(0, sc.handshake_handler(reply, lambda m: wire.Ack()), HOST, max_connections=limit)
+    server = scs.SideChannelServer(0, sc.handshake_handler(reply, lambda m: wire.Ack()), HOST, max_connections=limit)
     server.start()
     flood: list[socket.socket] = []
     try:
@@ -637,7 +645,7 @@ def test_connections_beyond_the_bound_are_cut(limit: int) -> None:
 
 
 def test_the_connection_bound_cuts_from_the_address_holding_the_most() -> None:
-    bound = sc.ConnectionBound(limit=4, per_address=3)
+    bound = ConnectionBound(limit=4, per_address=3)
     assert [bound.accepted(fd, "a") for fd in (10, 11, 12)] == [[], [], []]
     assert bound.accepted(13, "a") == [10]  # a 4th from one address: over its bound, its oldest goes
     assert bound.accepted(14, "b") == []
@@ -656,14 +664,14 @@ def test_the_connection_bound_cuts_authenticated_connections_last() -> None:
     never sent an authenticated frame is cut, never a key holder's while another is left; when all are
     authenticated the new one is cut. Negative control: without `authenticated` the key holder's oldest goes."""
     for trust in (True, False):
-        bound = sc.ConnectionBound(limit=100, per_address=3)
+        bound = ConnectionBound(limit=100, per_address=3)
         assert bound.accepted(10, "a") == []  # the key holder
         if trust:
             bound.authenticated(10)
         assert [bound.accepted(fd, "a") for fd in (11, 12)] == [[], []]  # idle ones
         assert bound.accepted(13, "a") == ([11] if trust else [10])
         assert bound.accepted(14, "a") == ([12] if trust else [11])
-    bound = sc.ConnectionBound(limit=100, per_address=2)
+    bound = ConnectionBound(limit=100, per_address=2)
     for fd in (1, 2):
         bound.accepted(fd, "a")
         bound.authenticated(fd)
@@ -677,7 +685,7 @@ def test_the_connection_bound_cuts_authenticated_connections_last() -> None:
 def test_work_while_waiting_runs_once_after_the_send_and_overlaps_the_round_trip() -> None:
     """What the decode's claim does while the claim is on the wire (the CUDA IPC path checks its block ids): run
     once, after the request left (the server answers while it runs), before the answer is taken."""
-    with sc.SideChannelServer(0, _echo) as server:
+    with scs.SideChannelServer(0, _echo) as server:
         client = scc.SideChannelClient(timeout_s=DEADLINE_S, retries=0)
         try:
             ran: list[float] = []

@@ -21,7 +21,7 @@ from kvbridge.core.errors import KVBridgeError
 from kvbridge.core.memory import Region
 from kvbridge.runtime.nixl_reader import NixlReader
 from kvbridge.runtime.staged_reads import StagedReads
-from kvbridge.transport.nixl import Transfer
+from kvbridge.transport.nixl_descriptors import Transfer
 
 AGENT = "prefill-tp0"
 

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM")  # only vLLM may be missing: a broken kvbridge import fails
 
-from kvbridge.runtime.decode_worker import TransferStats
+from kvbridge.runtime.transfer_stats import TransferStats
 from kvbridge.vllm import stats
 
 

@@ -27,7 +27,7 @@ from kvbridge.core.leases import groups_digest
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load
 from kvbridge.runtime.peers import Engine, address, identity
-from kvbridge.transport.nixl import Backoff
+from kvbridge.transport.backoff import Backoff
 from kvbridge.wire import messages as wire
 from kvbridge.wire.side_channel_client import SideChannelClient
 

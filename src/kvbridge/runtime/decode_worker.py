@@ -21,7 +21,8 @@ IPC on one host). Threads, so that nothing slow stands in front of a transfer:
   `results()` calls poll the READs too when NIXL is free.
 - the waiter (CUDA IPC path, `IpcReads`): sleeps on the kernels' blocking-sync events and reports loads as they
   finish.
-- the notifier: sends notifications and aborts over the side channel (a dead peer's timeouts delay no load).
+- the notifier (`notifier.Notifier`): sends notifications and aborts over the side channel (a dead peer's timeouts
+  delay no load).
 Nothing here raises into the engine.
 """
 
@@ -33,7 +34,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig
@@ -45,26 +45,24 @@ from kvbridge.runtime.claims import ClaimQueue, claim_reads
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.runtime.load import Load, LoadJob
 from kvbridge.runtime.nixl_reads import NixlReads
-from kvbridge.runtime.peers import Engine, PeerBook, address, check_run, engine_key, identity
+from kvbridge.runtime.notifier import Notifier
+from kvbridge.runtime.peers import Engine, PeerBook, check_run, engine_key
 from kvbridge.runtime.read_budget import ReadBudget, block_bytes
 from kvbridge.runtime.stream_reads import StreamReads
-from kvbridge.transport.nixl import Backoff, MemType
-from kvbridge.wire import messages as wire
+from kvbridge.runtime.transfer_stats import TransferStats
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl_descriptors import MemType
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
-from kvbridge.wire.side_channel_client import SideChannelClient, ThreadClients
+from kvbridge.wire.side_channel_client import ThreadClients
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DecodeWorker", "LoadJob", "TransferStats"]  # LoadJob: the connector imports it from here
+__all__ = ["DecodeWorker", "LoadJob"]  # LoadJob: the connector imports it from here
 
 logger = logging.getLogger(__name__)
-
-NOTIFY_TIMEOUT_S = 5.0
-"""Answer deadline of one notification or abort attempt (the notifier thread; no load waits on it)."""
-NOTIFY_RETRIES = 2
 
 SLOW_LOAD_S = 2.0
 """A load that takes longer is logged with where its time went (handshake, claim, queue, wire)."""
@@ -74,28 +72,6 @@ POLL_FRESH_S = 250e-6
 FRESH_S = 0.05
 POLL_STALE_S = 2e-3
 """Then at least this often (a READ that takes longer moves many MiB or crosses a slow link)."""
-
-PHASES = ("handshake", "claim", "queue", "post", "wire", "report", "hop", "total")
-"""A load's timeline in `TransferStats.phases` (`Load.durations`): queued -> handshake done -> claim granted ->
-taken by its path (queue) -> READs posted or kernels queued (post: the host's work) -> data landed (wire) ->
-reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported. A CUDA IPC load also has
-`checks` (its block ids checked, while its claim is on the wire: it overlaps `claim`) and `post_launch` (the post
-after the checks: events, id upload, kernel launches)."""
-
-
-@dataclass
-class TransferStats:
-    """Counters since the last `results()` call."""
-
-    transfers: int = 0
-    failures: int = 0
-    bytes: int = 0
-    descriptors: int = 0
-    seconds: list[float] = field(default_factory=list)  # per load: from the job to the reported completion
-    post_seconds: list[float] = field(default_factory=list)  # per load: from the job to the READs posted/kernels queued
-    gpu_seconds: list[float] = field(default_factory=list)  # per CUDA IPC load: the kernels' time on the GPU
-    phases: dict[str, list[float]] = field(default_factory=dict)  # per load that landed: seconds by PHASES name
-    claim_retries: int = 0  # claims refused at once as not held and sent again
 
 
 class DecodeWorker:
@@ -155,6 +131,7 @@ class DecodeWorker:
         self.peers = PeerBook(
             identity, memory, config, self._handshakes, self._add_agent, self.sealer, self._ipc_connect
         )
+        self.notifier = Notifier(identity, config, self.sealer, self.peers)  # the notifier thread's work
         self.nixl = NixlReads(
             identity,
             memory,
@@ -163,7 +140,7 @@ class DecodeWorker:
             self.peers,
             loaded=self._complete,
             failed=self._fail,
-            tell=self._tell,
+            tell=self.notifier.tell,
             sealer=self.sealer,
             regions=self._regions,
         )
@@ -176,7 +153,6 @@ class DecodeWorker:
             else None
         )
         self._ready: queue.Queue[Load | None] = queue.Queue()  # claimed: to post or launch
-        self._notes: queue.Queue[tuple[wire.Message, LoadJob, tuple[WorkerRank, ...]] | None] = queue.Queue()
         self._claims = ClaimQueue(self._pool, self._lock, config, self._claim_step)  # claim steps, per engine
         self._threads: list[threading.Thread] = []
 
@@ -191,7 +167,7 @@ class DecodeWorker:
             except Exception as exc:  # no Triton, no CUDA: NIXL only
                 logger.warning("kvbridge decode %s: CUDA IPC path unavailable (%s); using NIXL", self.identity, exc)
         self._spawn(self._transfer_loop, f"kvbridge-decode-{self.identity.rank}")
-        self._spawn(self._notify_loop, "kvbridge-notify")
+        self._spawn(self.notifier.run, "kvbridge-notify")
         return self
 
     def _spawn(self, target, name: str) -> None:
@@ -217,7 +193,7 @@ class DecodeWorker:
                 self._refuse(load, job.refused or "no prefill location")
             else:  # the request is gone here: only free the prefill side's blocks
                 workers = tuple(job.source.layout.workers())
-                self._tell(self._abort_message(job, "aborted before its load"), job, workers)
+                self.notifier.tell(self.notifier.abort_message(job, "aborted before its load"), job, workers)
             return
         future = self.peers.connect(job.source)
         future.add_done_callback(lambda f: self._admit(load, f))
@@ -258,7 +234,7 @@ class DecodeWorker:
             transfer.join(timeout=30)
         if self.ipc is not None:  # after the transfer thread: it launches no more
             self.ipc.close()
-        self._notes.put(None)
+        self.notifier.stop()
         if (notifier := threads.get("kvbridge-notify")) is not None:
             notifier.join(timeout=30)
         self._clients.close()
@@ -393,7 +369,7 @@ class DecodeWorker:
         elif engine.kernels is not None and load.job.span is None:  # the gather kernels copy block pairs
             self.ipc.launch(load)
         else:
-            self.nixl.post(load, self._notify_message(load.job))
+            self.nixl.post(load, self.notifier.notify_message(load.job))
 
     def _reap(self) -> None:
         """Engines out of the cache with nothing in flight: their NIXL agents and IPC mappings go."""
@@ -432,7 +408,7 @@ class DecodeWorker:
         """A CUDA IPC load's kernels finished: no READ carried the notification, so every prefill worker is told."""
         self._complete(load, gpu_s)
         job = load.job
-        self._tell(self._notify_message(job), job, tuple(load.engine.layout.workers()))
+        self.notifier.tell(self.notifier.notify_message(job), job, tuple(load.engine.layout.workers()))
 
     def _copied_stream(self, load: Load) -> None:
         self._copied(load, None)
@@ -450,7 +426,7 @@ class DecodeWorker:
         self._report(load, False)
         job = load.job
         if job.source is not None and not job.refused:
-            self._tell(self._abort_message(job, error[:200]), job, tuple(job.source.layout.workers()))
+            self.notifier.tell(self.notifier.abort_message(job, error[:200]), job, tuple(job.source.layout.workers()))
 
     def _refuse(self, load: Load, error: str) -> None:
         """A job that never got going (refused by the scheduler): report it failed at once, reading nothing."""
@@ -468,61 +444,3 @@ class DecodeWorker:
                 (self._done if ok else self._failed).add(load.job.request_id)
                 self._outstanding -= 1
                 self._reported.notify_all()
-
-    # -- notifier -----------------------------------------------------------------------------------
-
-    def _tell(self, message: wire.Message, job: LoadJob, ranks: tuple[WorkerRank, ...]) -> None:
-        """Queue `message` for the notifier, to the prefill workers `ranks` of the job's engine."""
-        self._notes.put((message, job, ranks))
-
-    def _notify_message(self, job: LoadJob) -> wire.Notify:
-        """What every prefill worker of the engine receives once this worker is done with the request."""
-        return wire.Notify(
-            request_id=job.source.remote_request_id,
-            engine_id=self.identity.engine_id,
-            worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
-            expected=self.identity.layout.workers_per_engine,
-            token=job.source.remote_token,
-        )
-
-    def _abort_message(self, job: LoadJob, reason: str) -> wire.Abort:
-        return wire.Abort(
-            request_id=job.source.remote_request_id,
-            engine_id=self.identity.engine_id,
-            worker=wire.Worker.from_core(self.identity.dp_rank, self.identity.rank),
-            reason=reason,
-            token=job.source.remote_token,
-        )
-
-    def _notify_loop(self) -> None:
-        # Off every load's path: a busy prefill (a starved side-channel thread on shared cores) gets the deadline
-        # it had before the short claim deadlines; a gone one is still known at once (a refused connection).
-        client = SideChannelClient(
-            timeout_s=max(NOTIFY_TIMEOUT_S, self.config.handshake_timeout_s),
-            retries=max(NOTIFY_RETRIES, self.config.handshake_retries),
-            sealer=self.sealer,
-            max_sockets=self.config.side_channel_sockets_per_thread,
-            max_answer_bytes=self.config.side_channel_max_answer_bytes,
-        )
-        try:
-            while (item := self._notes.get()) is not None:
-                message, job, ranks = item
-                if self.peers.is_dead(job.source):  # its lease frees the blocks; a dead peer would hold us up
-                    continue
-                try:
-                    answers = client.exchange_all(
-                        [address(job.source, r) for r in ranks], message, [identity(job.source, r) for r in ranks]
-                    )
-                except Exception as exc:  # never lose the thread over a notification
-                    answers = [exc] * len(ranks)
-                for rank, answer in zip(ranks, answers, strict=True):
-                    if not isinstance(answer, wire.Ack):
-                        logger.warning(
-                            "kvbridge decode %s: prefill worker %s did not take %s: %s",
-                            self.identity,
-                            rank,
-                            type(message).__name__,
-                            answer,
-                        )
-        finally:
-            client.close()

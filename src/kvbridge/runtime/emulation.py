@@ -11,7 +11,8 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.runtime.load import Load
 from kvbridge.runtime.peers import Engine
 from kvbridge.runtime.read_budget import FLOOR_BYTES_PER_S
-from kvbridge.transport.nixl import MemType, NixlTransport
+from kvbridge.transport.nixl import NixlTransport
+from kvbridge.transport.nixl_descriptors import MemType
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from kvbridge.core.errors import RequestParamsError
 from kvbridge.core.token_runs import TokenSpan
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.peers import Engine
-from kvbridge.transport.nixl import Transfer
+from kvbridge.transport.nixl_descriptors import Transfer
 from kvbridge.wire.params import PrefillDone
 
 

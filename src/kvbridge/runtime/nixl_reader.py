@@ -16,7 +16,8 @@ import threading
 from kvbridge.core.errors import KVBridgeError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import WorkerMemory
-from kvbridge.transport.nixl import MemType, NixlTransport, Transfer
+from kvbridge.transport.nixl import NixlTransport
+from kvbridge.transport.nixl_descriptors import MemType, Transfer
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,10 @@ from kvbridge.runtime.prefill_worker import staging_copies, transport_config
 from kvbridge.runtime.prepared_reads import PreparedRead, prepare, prepared_lists
 from kvbridge.runtime.read_budget import FLOOR_BYTES_PER_S
 from kvbridge.runtime.staged_reads import StagedReads
-from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, PreparedLists, Transfer
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl import NixlTransport
+from kvbridge.transport.nixl_descriptors import MemType, Transfer
+from kvbridge.transport.nixl_prepared import PreparedLists
 from kvbridge.wire import messages as wire
 
 logger = logging.getLogger(__name__)

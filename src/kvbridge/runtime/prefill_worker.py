@@ -31,13 +31,17 @@ from kvbridge.runtime.host import has_nvidia_gpu, host_id, interface_of
 from kvbridge.runtime.staging import Stager
 from kvbridge.runtime.stream_server import KvStreamServer
 from kvbridge.runtime.waiting_claims import WaitingClaims
-from kvbridge.transport.nixl import Backoff, MemType, NixlTransport, TransportConfig
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl import NixlTransport
+from kvbridge.transport.nixl_config import TransportConfig
+from kvbridge.transport.nixl_descriptors import MemType
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.keys import KeyRing, token_is_ours
 from kvbridge.wire.later import Later
-from kvbridge.wire.side_channel import SideChannelServer, handshake_handler, side_channel_port
+from kvbridge.wire.side_channel import handshake_handler, side_channel_port
+from kvbridge.wire.side_channel_server import SideChannelServer
 from kvbridge.wire.stream_messages import StreamRead
 
 if TYPE_CHECKING:

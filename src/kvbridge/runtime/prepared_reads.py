@@ -15,7 +15,8 @@ from kvbridge.core.descriptors import PreparedTable
 from kvbridge.core.errors import KVBridgeError
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.segments import Segments
-from kvbridge.transport.nixl import NixlTransport, PreparedLists
+from kvbridge.transport.nixl import NixlTransport
+from kvbridge.transport.nixl_prepared import PreparedLists
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,8 @@ from kvbridge.runtime.nixl_reader import NixlReader
 from kvbridge.runtime.peers import Peer, address
 from kvbridge.runtime.staging import DEPTH
 from kvbridge.transport import device_copy, host_copy
-from kvbridge.transport.nixl import Backoff, Transfer
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl_descriptors import Transfer
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.auth import Sealer

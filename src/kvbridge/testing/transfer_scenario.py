@@ -221,7 +221,7 @@ def _decode_main(scenario, rank, config, source, results, warm_barrier):
         seconds: list[float] = []
         post_seconds: list[float] = []
         gpu_seconds: list[float] = []
-        phases: dict[str, list[float]] = {}  # per load, in completion order: its timeline (decode_worker.PHASES)
+        phases: dict[str, list[float]] = {}  # per load, in completion order: its timeline (transfer_stats.PHASES)
         nbytes = descriptors = 0
         deadline = t0 + 60
         ids = request_ids(scenario)

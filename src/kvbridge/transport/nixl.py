@@ -1,4 +1,8 @@
-"""The one module that talks to NIXL: an agent, its registered KV memory, its peers, and READ transfers.
+"""The NIXL agent, `NixlTransport`: its registered KV memory, its peers, READ transfers and notifications.
+
+With `nixl_prepared` (a peer's prepared descriptor lists, part of the same class) this is the only code that talks
+to NIXL. How the agent is created is `nixl_config`; the descriptor arrays it is handed and the `Transfer` it hands
+back are `nixl_descriptors`; how callers wait is `backoff`.
 
 The decode side reads (pulls) a request's KV from each prefill worker it needs; NIXL delivers the read's
 notification to that prefill worker once the bytes are in place, so the prefill side learns when it may
@@ -20,176 +24,27 @@ A transport belongs to one thread (NIXL's agent is created without internal lock
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from kvbridge.core.descriptors import Descriptors, PreparedTable
+from kvbridge.core.descriptors import Descriptors
 from kvbridge.core.errors import KVBridgeError, TransferError, TransferTimeout
 from kvbridge.core.memory import Region, WorkerMemory
+from kvbridge.transport.backoff import Backoff
+from kvbridge.transport.nixl_config import TransportConfig, apply_ucx_env
+from kvbridge.transport.nixl_descriptors import MemType, Transfer, descriptor_arrays, nixl_error
+from kvbridge.transport.nixl_prepared import PreparedLists, PreparedListsMixin
 
 logger = logging.getLogger(__name__)
-
-MemType = Literal["DRAM", "VRAM"]
 
 FLUSH_BYTES = 64
 """What a flush READ (`NixlTransport.post_flush`) reads: a few bytes into a scratch buffer of the reader's own."""
 
 
-@dataclass(frozen=True)
-class TransportConfig:
-    """How the NIXL agent is created; the only place where NIXL and UCX settings live."""
-
-    backend: str = "UCX"
-    """NIXL backend plugin to create. UCX moves DRAM and VRAM within and across nodes."""
-
-    ucx_tls: str | None = "self,sm,cma,tcp"
-    """UCX_TLS, applied only if the environment does not set it. `tcp` is needed because UCX endpoints in
-    peer error-handling mode (what detects a dead peer) need a transport with active messages and failure
-    detection; `cma` copies host memory between processes with one syscall. None leaves UCX to choose."""
-
-    ucx_net_devices: str | None = "lo"
-    """UCX_NET_DEVICES, applied only if the environment does not set it. `lo` keeps every socket on loopback;
-    set the NIC (e.g. "mlx5_0:1,eth0") for transfers across nodes. None leaves UCX to choose."""
-
-    progress_thread: bool = False
-    """Start NIXL's progress thread. It spins a core even when idle, so off by default: the owner then makes
-    progress by polling (see the module docstring). Turn on only where a core can be spared."""
-
-    backend_params: tuple[tuple[str, str], ...] = ()
-    """Extra init parameters for the backend, e.g. (("ucx_error_handling_mode", "none"),), which lets
-    UCX_TLS=self,sm,cma work without tcp at the price of no dead-peer detection."""
-
-    num_threads: int = 0
-    """Worker threads inside the backend (0: the backend's default). More threads only help with many NICs."""
-
-    prepared_lists: bool = False
-    """Readers prepare each peer's descriptor lists once (NIXL's `prep_xfer_dlist`, every run of every block) and
-    name a request's runs by index (`make_prepped_xfer`), instead of building and checking descriptor lists per
-    request (`initialize_xfer`). Requests whose blocks coalesce well still take the per-request path. Off by
-    default until measured on a GPU (docs/benchmarks/nixl-descriptors.md)."""
-
-    def __post_init__(self) -> None:
-        if not self.backend:
-            raise ValueError("backend must be a NIXL plugin name, got an empty string")
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-
-    def ucx_env(self) -> dict[str, str]:
-        """The UCX variables this config asks for (before the environment's own values take precedence)."""
-        wanted = {"UCX_TLS": self.ucx_tls, "UCX_NET_DEVICES": self.ucx_net_devices}
-        return {k: v for k, v in wanted.items() if v is not None}
-
-
-def apply_ucx_env(config: TransportConfig) -> dict[str, str]:
-    """Set the config's UCX variables where the user has not, and return the values in effect.
-
-    UCX reads its environment when a backend's context is created, so this runs right before the agent is.
-    A user's explicit UCX_* setting always wins: it is how operators tune UCX without touching code.
-    """
-    for key, value in config.ucx_env().items():
-        os.environ.setdefault(key, value)
-    return {k: os.environ[k] for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ}
-
-
-class Backoff:
-    """Sleeps between polls: short at first (transfers finish in micro- to milliseconds), doubling up to a
-    cap, so waiting on an idle peer costs almost no CPU. `reset()` after something happened."""
-
-    def __init__(self, first_s: float = 50e-6, cap_s: float = 5e-3) -> None:
-        self.first_s = first_s
-        self.cap_s = cap_s
-        self.delay_s = first_s
-
-    def step(self) -> float:
-        """The delay to wait now (for callers that wait on something else, e.g. a pipe); doubles the next."""
-        delay = self.delay_s
-        self.delay_s = min(self.cap_s, self.delay_s * 2)
-        return delay
-
-    def sleep(self) -> None:
-        time.sleep(self.step())
-
-    def reset(self) -> None:
-        self.delay_s = self.first_s
-
-
-@dataclass(eq=False)
-class Transfer:
-    """A posted READ: poll it with `NixlTransport.poll` until done, then `release` it."""
-
-    peer: str
-    nbytes: int
-    num_descriptors: int
-    notification: bytes
-    posted_at: float
-    state: Literal["PROC", "DONE", "RELEASED"] = "PROC"
-    _xfer: Any = field(default=None, repr=False)
-
-    @property
-    def done(self) -> bool:
-        return self.state != "PROC"
-
-
-@dataclass(eq=False)
-class PreparedLists:
-    """A peer's prepared descriptor lists (`NixlTransport.prepare`): both sides of a PreparedTable, by index."""
-
-    peer: str
-    table: PreparedTable
-    _local: Any = field(default=None, repr=False)
-    _remote: Any = field(default=None, repr=False)
-
-    @property
-    def released(self) -> bool:
-        return self._local is None and self._remote is None
-
-
-def _region_table(regions: Sequence[Region]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    addr = np.array([r.addr for r in regions], dtype=np.int64)
-    end = addr + np.array([r.nbytes for r in regions], dtype=np.int64)
-    dev = np.array([r.device_id for r in regions], dtype=np.int64)
-    return addr, end, dev
-
-
-def _side_array(side: str, addrs: np.ndarray, length: np.ndarray, idx: np.ndarray, regions: Sequence[Region]):
-    if not regions:
-        raise TransferError(f"{side} side has no memory regions")
-    start, end, dev = _region_table(regions)
-    if idx.size and (idx.min() < 0 or idx.max() >= len(regions)):
-        bad = int(idx[(idx < 0) | (idx >= len(regions))][0])
-        raise TransferError(f"{side} descriptor names region {bad}, but there are {len(regions)} regions")
-    outside = (addrs < start[idx]) | (addrs + length > end[idx])
-    if outside.any():
-        i = int(np.flatnonzero(outside)[0])
-        raise TransferError(
-            f"{side} descriptor {i} [{int(addrs[i]):#x}, +{int(length[i])}) lies outside its region "
-            f"{int(idx[i])} [{int(start[idx[i]]):#x}, {int(end[idx[i]]):#x})"
-        )
-    return np.stack([addrs, length, dev[idx]], axis=1).astype(np.uint64)
-
-
-def descriptor_arrays(
-    descriptors: Descriptors, local: Sequence[Region], remote: Sequence[Region]
-) -> tuple[np.ndarray, np.ndarray]:
-    """NIXL's Nx3 (addr, len, device id) arrays for a READ: the local (decode) side is `dst`, the remote
-    (prefill) side is `src`. Each descriptor's device id is that of the region it points into, never a rank:
-    a worker's rank and its device need not match (CUDA_VISIBLE_DEVICES, several engines per node)."""
-    length = descriptors.length.astype(np.int64)
-    local_arr = _side_array("local", descriptors.dst_addr.astype(np.int64), length, descriptors.dst_region, local)
-    remote_arr = _side_array("remote", descriptors.src_addr.astype(np.int64), length, descriptors.src_region, remote)
-    return local_arr, remote_arr
-
-
-def _nixl_error(what: str, exc: BaseException) -> TransferError:
-    return TransferError(f"{what}: {type(exc).__name__}: {exc}")
-
-
-class NixlTransport:
+class NixlTransport(PreparedListsMixin):
     """One NIXL agent: registers a worker's KV memory, knows its peers, posts READs and reports notifications.
 
     The constructor only stores values; `start()` creates the agent, `close()` releases everything. Use it
@@ -233,7 +88,7 @@ class NixlTransport:
             agent.create_backend(self.config.backend, params)
         except Exception as exc:
             what = f"cannot create NIXL agent {self.name!r} with {self.config.backend}"
-            raise _nixl_error(what, exc) from exc
+            raise nixl_error(what, exc) from exc
         self._agent = agent
         logger.debug("NIXL agent %s started (%s, %s)", self.name, self.config.backend, self.ucx_env)
         return self
@@ -312,7 +167,7 @@ class NixlTransport:
         try:
             self._reg_dlists.append(agent.register_memory(rows, mem_type))
         except Exception as exc:
-            raise _nixl_error(f"registering {len(new)} {mem_type} regions", exc) from exc
+            raise nixl_error(f"registering {len(new)} {mem_type} regions", exc) from exc
         for r in new:
             self._registered[(r.addr, r.nbytes, r.device_id)] = mem_type
 
@@ -323,7 +178,7 @@ class NixlTransport:
         except KVBridgeError:
             raise
         except Exception as exc:
-            raise _nixl_error("getting agent metadata", exc) from exc
+            raise nixl_error("getting agent metadata", exc) from exc
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata and return its agent name (NIXL 1.5.1 returns bytes; we return str)."""
@@ -331,7 +186,7 @@ class NixlTransport:
         try:
             name = agent.add_remote_agent(metadata)
         except Exception as exc:
-            raise _nixl_error("loading a peer's agent metadata", exc) from exc
+            raise nixl_error("loading a peer's agent metadata", exc) from exc
         name = name.decode() if isinstance(name, bytes) else str(name)
         self._peers.add(name)
         return name
@@ -345,7 +200,7 @@ class NixlTransport:
         try:
             self._require().remove_remote_agent(name)
         except Exception as exc:
-            raise _nixl_error(f"removing peer {name!r}", exc) from exc
+            raise nixl_error(f"removing peer {name!r}", exc) from exc
 
     @property
     def peers(self) -> frozenset[str]:
@@ -378,7 +233,7 @@ class NixlTransport:
             try:
                 agent.send_notif(peer, notification)
             except Exception as exc:
-                raise _nixl_error(f"notifying {peer!r}", exc) from exc
+                raise nixl_error(f"notifying {peer!r}", exc) from exc
             transfer.state = "DONE"
             return transfer
         local_arr, remote_arr = descriptor_arrays(descriptors, local_regions, remote_regions)
@@ -393,7 +248,7 @@ class NixlTransport:
             )
         except Exception as exc:
             what = f"creating a READ of {len(descriptors)} descriptors from {peer!r}"
-            raise _nixl_error(what, exc) from exc
+            raise nixl_error(what, exc) from exc
         return self._post(transfer, xfer)
 
     def _post(self, transfer: Transfer, xfer: Any) -> Transfer:
@@ -404,7 +259,7 @@ class NixlTransport:
         try:
             status = agent.transfer(xfer)
         except Exception as exc:
-            error = _nixl_error(f"posting a READ from {peer!r}", exc)
+            error = nixl_error(f"posting a READ from {peer!r}", exc)
             self._discard(transfer, error)
             self._drain()  # let UCX process the endpoint failure now (see close())
             raise error from exc
@@ -432,7 +287,7 @@ class NixlTransport:
             try:
                 self._reg_dlists.append(agent.register_memory(rows, "DRAM"))
             except Exception as exc:
-                raise _nixl_error("registering the flush READs' scratch buffer", exc) from exc
+                raise nixl_error("registering the flush READs' scratch buffer", exc) from exc
             self._scratch = scratch
         n = min(FLUSH_BYTES, remote.nbytes)
         local_arr = np.array([(self._scratch.ctypes.data, n, 0)], dtype=np.uint64)
@@ -443,98 +298,8 @@ class NixlTransport:
                 "READ", agent.get_xfer_descs(local_arr, "DRAM"), agent.get_xfer_descs(remote_arr, remote_mem_type), peer
             )
         except Exception as exc:
-            raise _nixl_error(f"creating a flush READ from {peer!r}", exc) from exc
+            raise nixl_error(f"creating a flush READ from {peer!r}", exc) from exc
         return self._post(transfer, xfer)
-
-    # -- prepared descriptor lists ------------------------------------------------------------------
-
-    def prepare(
-        self,
-        peer: str,
-        table: PreparedTable,
-        local: WorkerMemory | Sequence[Region],
-        remote: WorkerMemory | Sequence[Region],
-        remote_mem_type: MemType | None = None,
-    ) -> PreparedLists:
-        """Prepare both sides of `table` with NIXL once (the destination side in our memory, the source side in
-        `peer`'s), for `read_prepared`. Every entry is checked against its region here, so requests are not.
-        TransferError if NIXL refuses; the caller may then keep to `read`. Released with the peer, or `unprepare`."""
-        agent = self._require()
-        if peer not in self._peers:
-            raise TransferError(f"peer {peer!r} is unknown to {self.name!r} (call add_peer first)")
-        local_regions = local.regions if isinstance(local, WorkerMemory) else tuple(local)
-        remote_regions = remote.regions if isinstance(remote, WorkerMemory) else tuple(remote)
-        d_addr, d_len, d_region = table.dst_side()
-        s_addr, s_len, s_region = table.src_side()
-        local_arr = _side_array("local", d_addr, d_len, d_region, local_regions)
-        remote_arr = _side_array("remote", s_addr, s_len, s_region, remote_regions)
-        mem_type = self._mem_type_of(local_regions, table.segments.dst_region)
-        prepared = PreparedLists(peer, table)
-        try:
-            prepared._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_arr, mem_type)
-            prepared._remote = agent.prep_xfer_dlist(peer, remote_arr, remote_mem_type or mem_type)
-        except Exception as exc:
-            self._release_prepared(prepared)
-            what = f"preparing {len(local_arr)} + {len(remote_arr)} descriptors for {peer!r}"
-            raise _nixl_error(what, exc) from exc
-        self._prepared.setdefault(peer, []).append(prepared)
-        return prepared
-
-    def read_prepared(
-        self, prepared: PreparedLists, src_idx: np.ndarray, dst_idx: np.ndarray, notification: bytes
-    ) -> Transfer:
-        """Post a READ of the prepared entries `src_idx` (the peer's side) into `dst_idx` (ours), as `read` does;
-        the indices come from `prepared.table.indices`."""
-        agent = self._require()
-        peer = prepared.peer
-        if prepared.released or peer not in self._peers:
-            raise TransferError(f"prepared lists for {peer!r} were released (the peer was removed)")
-        if len(src_idx) != len(dst_idx):
-            raise TransferError(f"{len(src_idx)} source and {len(dst_idx)} destination indices do not pair up")
-        n = len(src_idx)
-        pairs = n // len(prepared.table.segments)
-        transfer = Transfer(peer, prepared.table.nbytes(pairs), n, notification, time.monotonic())
-        if n == 0:
-            try:
-                agent.send_notif(peer, notification)
-            except Exception as exc:
-                raise _nixl_error(f"notifying {peer!r}", exc) from exc
-            transfer.state = "DONE"
-            return transfer
-        try:
-            xfer = agent.make_prepped_xfer(
-                "READ",
-                prepared._local,
-                np.ascontiguousarray(dst_idx, dtype=np.int32),
-                prepared._remote,
-                np.ascontiguousarray(src_idx, dtype=np.int32),
-                notification,
-            )
-        except Exception as exc:
-            raise _nixl_error(f"creating a prepared READ of {n} descriptors from {peer!r}", exc) from exc
-        return self._post(transfer, xfer)
-
-    def unprepare(self, prepared: PreparedLists) -> None:
-        """Release one peer's prepared lists (no READ made from them may be in flight). Never raises."""
-        kept = self._prepared.get(prepared.peer, [])
-        if prepared in kept:
-            kept.remove(prepared)
-        self._release_prepared(prepared)
-
-    def _unprepare_peer(self, peer: str) -> None:
-        for prepared in self._prepared.pop(peer, []):
-            self._release_prepared(prepared)
-
-    def _release_prepared(self, prepared: PreparedLists) -> None:
-        for attr in ("_local", "_remote"):
-            handle = getattr(prepared, attr)
-            setattr(prepared, attr, None)
-            if handle is None:
-                continue
-            try:
-                handle.release()
-            except Exception as exc:
-                logger.warning("%s: releasing prepared lists for %s failed: %s", self.name, prepared.peer, exc)
 
     def _mem_type_of(self, regions: Sequence[Region], used: np.ndarray) -> MemType:
         types = set()
@@ -558,7 +323,7 @@ class NixlTransport:
             raise
         except Exception as exc:
             self._drain()
-            raise _nixl_error(f"READ from {transfer.peer!r} failed", exc) from exc
+            raise nixl_error(f"READ from {transfer.peer!r} failed", exc) from exc
         if status == "ERR":
             raise TransferError(f"READ of {transfer.nbytes} bytes from {transfer.peer!r} failed")
         if status == "DONE":
@@ -585,7 +350,7 @@ class NixlTransport:
             try:
                 xfer.release()
             except Exception as exc:
-                raise _nixl_error(f"releasing a READ from {transfer.peer!r}", exc) from exc
+                raise nixl_error(f"releasing a READ from {transfer.peer!r}", exc) from exc
         transfer._xfer = None
         transfer.state = "RELEASED"
         self._transfers.discard(transfer)
@@ -618,7 +383,7 @@ class NixlTransport:
                 notifs = agent.get_new_notifs()
             except Exception as exc:
                 if raise_errors:
-                    raise _nixl_error("getting notifications", exc) from exc
+                    raise nixl_error("getting notifications", exc) from exc
                 logger.warning("%s: progressing UCX failed: %s", self.name, exc)
                 return
             for key, msgs in notifs.items():

@@ -8,7 +8,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvbridge.runtime.decode_worker import TransferStats
+from kvbridge.runtime.transfer_stats import TransferStats
 
 _COUNTERS = (
     "transfers",
@@ -24,7 +24,7 @@ _REASONS = "rejected_params"  # {reason: count}: kv_transfer_params refused befo
 
 
 _LISTS = ("seconds", "post_seconds")  # per load: to completion, and to the READs posted (kernels queued)
-_PHASES = "phases"  # {phase: [seconds per load]}: a decode load's timeline (decode_worker.PHASES)
+_PHASES = "phases"  # {phase: [seconds per load]}: a decode load's timeline (transfer_stats.PHASES)
 _HOLD_PHASES = "hold_phases"  # {phase: [seconds per request]}: a prefill request's timeline (HOLD_PHASES)
 HOLD_PHASES = ("hold", "claim", "release")
 """A held prefill request's timeline: request finished -> hold registered (`hold`) -> first claim answered
