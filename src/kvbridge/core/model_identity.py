@@ -28,11 +28,12 @@ class ModelFingerprint:
 
     @property
     def digest(self) -> str:
-        """The whole fingerprint, 32 hex; "" when nothing is known (an engine without a model: tests)."""
+        """The whole fingerprint: one 8-hex digest per part in PARTS order, joined by "." (44 characters), so a
+        decode that receives it can name the parts that differ (`digest_differences`); "" when nothing is known
+        (an engine without a model: tests)."""
         if not any(getattr(self, part) for part in PARTS):
             return ""
-        text = "\0".join(f"{part}={getattr(self, part)}" for part in PARTS)
-        return hashlib.sha256(b"kvbridge-model-v1\0" + text.encode()).hexdigest()[:32]
+        return ".".join(_part_digest(part, getattr(self, part)) for part in PARTS)
 
     def differences(self, other: ModelFingerprint) -> list[str]:
         """The parts on which the two differ, in PARTS order."""
@@ -41,3 +42,16 @@ class ModelFingerprint:
     def describe(self, parts: list[str]) -> str:
         """`parts` with their values, for an error: "weights 0f3e..., config 8a1b..."."""
         return ", ".join(f"{part} {getattr(self, part) or '-'}" for part in parts)
+
+
+def _part_digest(part: str, value: str) -> str:
+    return hashlib.sha256(f"kvbridge-model-v2\0{part}={value}".encode()).hexdigest()[:8]
+
+
+def digest_differences(theirs: str, ours: str) -> list[str]:
+    """The parts on which two `ModelFingerprint.digest` strings differ, in PARTS order; every part when either is
+    not of that form."""
+    a, b = theirs.split("."), ours.split(".")
+    if len(a) != len(PARTS) or len(b) != len(PARTS):
+        return list(PARTS)
+    return [part for part, x, y in zip(PARTS, a, b, strict=True) if x != y]

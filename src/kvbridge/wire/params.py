@@ -29,8 +29,9 @@ Fields of the prefill response (all of NixlConnector's that a decode side needs,
                         this prompt's and no other's
     remote_token        the request's secret: claims, notifications and aborts must carry it
     remote_expires      unix time after which the prefill no longer holds the blocks for an unclaimed read
-    remote_model        the prefill's model fingerprint (`core.model_identity`: config, tokenizer, weights,
-                        quantization, kv_cache_dtype); a decode with another refuses the params
+    remote_model        the prefill's model fingerprint (`core.model_identity`: an 8-hex digest per part: config,
+                        tokenizer, weights, quantization, kv_cache_dtype); a decode with another refuses the
+                        params, naming the parts that differ
     remote_issued       unix time the prefill issued the params (kvbridge): a decode refuses them unread if the
                         prefill worker it reaches started later (a restart on the same address: a new epoch)
     kvbridge_key_id     which deployment key signed them (`wire.keys`: an instance accepts several while a key
@@ -56,6 +57,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvbridge.core.errors import LayoutError, ParamsRefused, RequestParamsError
+from kvbridge.core.model_identity import digest_differences
 from kvbridge.core.topology import ParallelLayout
 from kvbridge.wire import auth
 from kvbridge.wire.keys import KeyRing
@@ -225,8 +227,8 @@ def check_binding(
     if done.remote_model and done.remote_model != model:  # else the handshake compares the parts
         raise ParamsRefused(
             "model",
-            f"kv_transfer_params: remote_model (the prefill's model fingerprint) is {done.remote_model!r} but this "
-            f"instance's is {model!r}: another model, weights, tokenizer, quantization or kv_cache_dtype",
+            f"kv_transfer_params: remote_model (the prefill's model fingerprint) differs from this instance's in "
+            f"{', '.join(digest_differences(done.remote_model, model))} ({done.remote_model!r} against {model!r})",
         )
     layout = done.layout
     if layout.dp * layout.workers_per_engine > max_workers:
