@@ -80,6 +80,13 @@ def wait_for(predicate, timeout: float, interval: float = 0.25) -> bool:
     return predicate()
 
 
+def idle_usage(prefill: VllmServer) -> float:
+    """The prefill server's KV usage once it holds nothing: an earlier test's unread request (a refused or forged
+    load) holds its blocks until its lease ends, and a baseline taken before that would never be reached again."""
+    assert wait_for(lambda: prefill.kv_usage() == 0.0, LEASE_S + 10), "an earlier request's blocks were never freed"
+    return prefill.kv_usage()
+
+
 def prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 1000) for _ in range(n)]
@@ -87,7 +94,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def test_unread_request_is_freed_when_its_lease_expires(pair):
     prefill, _, _ = pair
-    baseline = prefill.kv_usage()
+    baseline = idle_usage(prefill)
     params = complete(prefill.url, prompt(1, 300), 1, kv_transfer_params={"do_remote_decode": True})
     assert params["kv_transfer_params"]["remote_block_ids"]
     # (vLLM publishes the usage gauge with its step's stats, which may land just after the response)
@@ -98,7 +105,7 @@ def test_unread_request_is_freed_when_its_lease_expires(pair):
 
 def test_read_request_is_freed_as_soon_as_decode_notifies(pair):
     prefill, decode, _ = pair
-    baseline = prefill.kv_usage()
+    baseline = idle_usage(prefill)
     p = prompt(2, 260)
     first = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})
     t0 = time.monotonic()
@@ -133,16 +140,18 @@ def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
     """A decode request aborted while it still waits to be scheduled never reads; the decode side tells the
     prefill workers so, and they free the blocks at once instead of at lease expiry."""
     prefill, decode, _ = pair
-    baseline = prefill.kv_usage()
+    baseline = idle_usage(prefill)
     expired = metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total")
     p = prompt(15, 300)
-    params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
-    assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
     with ThreadPoolExecutor(1) as pool:
         # The only sequence slot is busy with a long generation, so the PD request waits unscheduled...
-        # (long enough to outlast what follows on a fast machine; running before the PD request arrives)
+        # (long enough to outlast what follows on a fast machine; running before the prefill leg, so that the
+        # lease's 4 s start only once the decode is ready to take the PD request)
         busy = pool.submit(complete, decode.url, prompt(16, 20), 1500, None, 120, ignore_eos=True)
         assert wait_for(lambda: metric_sum(metrics(decode.url), "vllm:num_requests_running") >= 1, 30)
+        params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+        assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
+        assert not busy.done(), "the busy request ended before the PD request"
         # ...and its client gives up: vLLM aborts it before its load was ever scheduled.
         with pytest.raises(OSError):
             complete(decode.url, p, 8, kv_transfer_params=params, timeout=0.5)
@@ -226,7 +235,7 @@ def test_a_decode_server_killed_while_generating_leaves_no_prefill_blocks(pair):
     decode mid-READ: tests/e2e/test_e2e_hosts.py does (a decode and a prefill killed mid-READ, checked by the bytes
     already moved, and a link cut mid-READ)."""
     prefill, _, strict = pair
-    baseline = prefill.kv_usage()
+    baseline = idle_usage(prefill)
     p = prompt(14, 300)
     params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
     assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
