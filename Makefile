@@ -3,7 +3,8 @@
 #   make test   lint, unit and property tests, real NIXL between processes (each check on its headline layout
 #               pairs), and one end-to-end smoke through real vLLM servers
 #   make e2e    every end-to-end module (real vLLM servers, shared within the run where their configurations
-#               agree) and the other layout pairs of the NIXL checks (marker `matrix`)
+#               agree) but the long ones, and the other layout pairs of the NIXL checks (marker `matrix`)
+#   make e2e-long  the long end-to-end runs (marker `long`): the fault soak, 500 requests under load, PP=4 <-> TP=4
 # .ci/run runs `make test` then `make e2e`.
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbridge-installed
 
-.PHONY: demo test e2e lint venv clean
+.PHONY: demo test e2e e2e-long lint venv clean
 
 venv: $(STAMP)
 
@@ -42,7 +43,10 @@ test: $(STAMP) lint
 	KVBRIDGE_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -rs --durations=20 -m "not (vllm or matrix) or smoke" tests
 
 e2e: $(STAMP)
-	$(BIN)/python -m pytest -q -rs --durations=0 -m "vllm or matrix" tests
+	$(BIN)/python -m pytest -q -rs --durations=0 -m "(vllm or matrix) and not long" tests
+
+e2e-long: $(STAMP)
+	$(BIN)/python -m pytest -q -rs --durations=0 -m long tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -30,7 +30,7 @@ from kvbridge.serving.launcher import (
     running,
 )
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
 REQUESTS, CONCURRENCY = 500, 32
 SOURCE = "vllm:prompt_tokens_by_source_total"

@@ -57,7 +57,7 @@ from kvbridge.serving.launcher import (
 from kvbridge.wire.params import parse_prefill_done
 from support.hosts import Host, connector_on, network_hosts, server_on, slowed, when_sent
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
 KEY = b"soak-deployment-key-0123456789abcdef"
 LEASE_S = 6.0
