@@ -96,7 +96,8 @@ def test_the_same_model_loads_the_prefills_kv(servers):
     decode = servers["decode-a"]
     tokens = prompt(1)
     params = prefill_params(servers, tokens)
-    assert params["remote_model"] and len(params["remote_model"]) == 32
+    parts = params["remote_model"].split(".")  # one 8-hex digest per fingerprint part
+    assert len(parts) == 5 and all(len(part) == 8 for part in parts), params["remote_model"]
     before = moved(decode.url)
     assert tokens_of(decode.url, tokens, params) == tokens_of(servers["prefill-a"].url, tokens)
     assert moved(decode.url) > before
