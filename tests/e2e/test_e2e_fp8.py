@@ -13,8 +13,8 @@ Each pair (pp1 -> pp1, pp2 -> tp2, tp2 -> pp2) checks that the decode server's g
 FP8 server's (pp1a answering the prompt on its own), that the decode server counts every prompt token as
 transferred (`external_kv_transfer`) and none as computed, and that it moved one byte per channel of each
 (layer, KV head, block) once (`vllm:kvbridge_bytes_total`). Negative controls: the prompt's blocks loaded in the
-wrong order change the output (the oracle can fail), and an e5m2 decode server is refused by an e4m3 prefill at
-the handshake, naming `dtype`, and prefills locally (`kv_load_failure_policy: recompute`).
+wrong order change the output (the oracle can fail), and an e5m2 decode server is refused by an e4m3 prefill (by
+the signed params' fingerprint, naming `kv_cache_dtype`) and prefills locally (`kv_load_failure_policy: recompute`).
 
 With KVBRIDGE_TTFT_OUT=path (a file or a directory) the pairs' TTFT (prefill leg + decode leg to its first token)
 and the decode server's aggregated TTFT are written there as JSON.
@@ -168,7 +168,7 @@ def test_fp8_negative_control_the_wrong_blocks_change_the_output(servers, batch,
     assert tokens != want, "KV loaded into the wrong blocks must show in the output"
 
 
-def test_an_e5m2_decode_is_refused_by_an_e4m3_prefill_naming_dtype(servers, batch):
+def test_an_e5m2_decode_is_refused_by_an_e4m3_prefill_naming_the_cache_dtype(servers, batch):
     """Both caches are uint8 tensors of one shape: only the model fingerprint's kv_cache_dtype part (in the signed
     params) and the handshake's `dtype` tell e4m3 bytes from e5m2. The load is refused, the decode server prefills
     the prompt itself (policy recompute) and its log names the part that differs."""

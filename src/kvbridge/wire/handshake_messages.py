@@ -18,14 +18,16 @@ from kvbridge.core import topology
 from kvbridge.core.errors import IncompatiblePeerError, LayoutError
 from kvbridge.core.model_identity import ModelFingerprint
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped only for a change an older peer cannot read correctly (see the module docstring).
 2: claims, notifications and aborts carry the request's token (a claim also its prompt hash) and are refused
 without it; claims pin the request for the read.
 3: sealed frames (wire.auth, `KVB2`) are encrypted and a sealed request is bound to its destination worker's
 identity (engine id, dp/pp/tp, port); version-2 sealed frames (`KVB1`) are dropped.
 4: sealed frames are AES-GCM from `cryptography` under keys derived with HKDF and named by a key id (`KVB3`;
-`KVB1`/`KVB2` frames are dropped as old_format); signed params name their key id."""
+`KVB1`/`KVB2` frames are dropped as old_format); signed params name their key id.
+5: signed params' `remote_model` is one 8-hex digest per fingerprint part (`ModelFingerprint.digest`), no
+longer one 32-hex digest of the whole, so that a refusal names the parts that differ."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
