@@ -35,7 +35,7 @@ from kvbridge.core.errors import KVBridgeError, TransferError, TransferTimeout
 from kvbridge.core.memory import Region, WorkerMemory
 from kvbridge.transport.backoff import Backoff
 from kvbridge.transport.nixl_config import TransportConfig, apply_ucx_env
-from kvbridge.transport.nixl_descriptors import MemType, Transfer, descriptor_arrays, nixl_error
+from kvbridge.transport.nixl_descriptors import MemType, Transfer, descriptor_arrays, nixl_error, regions_of
 from kvbridge.transport.nixl_prepared import PreparedLists, PreparedListsMixin
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,13 @@ class NixlTransport(PreparedListsMixin):
             raise TransferError(f"transport {self.name!r} is not started (call start())")
         return self._agent
 
+    def _peer_agent(self, peer: str) -> Any:
+        """The started agent, once `peer` is known to it (TransferError otherwise)."""
+        agent = self._require()
+        if peer not in self._peers:
+            raise TransferError(f"peer {peer!r} is unknown to {self.name!r} (call add_peer first)")
+        return agent
+
     # -- memory and peers --------------------------------------------------------------------------
 
     def register(self, memory: WorkerMemory, mem_type: MemType = "DRAM") -> None:
@@ -223,11 +230,8 @@ class NixlTransport(PreparedListsMixin):
         notification is sent on its own, so the peer still learns that this reader is done. Raises
         TransferError if NIXL refuses the transfer; a dead peer is usually detected here.
         """
-        agent = self._require()
-        if peer not in self._peers:
-            raise TransferError(f"peer {peer!r} is unknown to {self.name!r} (call add_peer first)")
-        local_regions = local.regions if isinstance(local, WorkerMemory) else tuple(local)
-        remote_regions = remote.regions if isinstance(remote, WorkerMemory) else tuple(remote)
+        agent = self._peer_agent(peer)
+        local_regions, remote_regions = regions_of(local), regions_of(remote)
         transfer = Transfer(peer, descriptors.nbytes, len(descriptors), notification, time.monotonic())
         if len(descriptors) == 0:
             try:
@@ -278,9 +282,7 @@ class NixlTransport(PreparedListsMixin):
         for us (READs released unfinished, e.g. after a link cut) only after this: UCX 1.23 over tcp can crash
         the peer (SIGSEGV in ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge -> ucp_request_memory_dereg)
         when its endpoint fails with such answers still queued (bench/ucx_cut_stress.py)."""
-        agent = self._require()
-        if peer not in self._peers:
-            raise TransferError(f"peer {peer!r} is unknown to {self.name!r} (call add_peer first)")
+        agent = self._peer_agent(peer)
         if self._scratch is None:
             scratch = np.zeros(FLUSH_BYTES, dtype=np.uint8)
             rows = np.array([(scratch.ctypes.data, scratch.nbytes, 0)], dtype=np.uint64)

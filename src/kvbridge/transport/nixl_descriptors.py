@@ -13,7 +13,7 @@ import numpy as np
 
 from kvbridge.core.descriptors import Descriptors
 from kvbridge.core.errors import TransferError
-from kvbridge.core.memory import Region
+from kvbridge.core.memory import Region, WorkerMemory
 
 MemType = Literal["DRAM", "VRAM"]
 
@@ -33,6 +33,11 @@ class Transfer:
     @property
     def done(self) -> bool:
         return self.state != "PROC"
+
+
+def regions_of(memory: WorkerMemory | Sequence[Region]) -> tuple[Region, ...]:
+    """The regions of a worker's memory, or the given regions as a tuple."""
+    return memory.regions if isinstance(memory, WorkerMemory) else tuple(memory)
 
 
 def _region_table(regions: Sequence[Region]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

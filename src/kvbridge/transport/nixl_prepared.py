@@ -18,7 +18,7 @@ import numpy as np
 from kvbridge.core.descriptors import PreparedTable
 from kvbridge.core.errors import TransferError
 from kvbridge.core.memory import Region, WorkerMemory
-from kvbridge.transport.nixl_descriptors import MemType, Transfer, nixl_error, side_array
+from kvbridge.transport.nixl_descriptors import MemType, Transfer, nixl_error, regions_of, side_array
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ class PreparedListsMixin:
 
         def _require(self) -> Any: ...
 
+        def _peer_agent(self, peer: str) -> Any: ...
+
         def _post(self, transfer: Transfer, xfer: Any) -> Transfer: ...
 
         def _mem_type_of(self, regions: Sequence[Region], used: np.ndarray) -> MemType: ...
@@ -63,11 +65,8 @@ class PreparedListsMixin:
         """Prepare both sides of `table` with NIXL once (the destination side in our memory, the source side in
         `peer`'s), for `read_prepared`. Every entry is checked against its region here, so requests are not.
         TransferError if NIXL refuses; the caller may then keep to `read`. Released with the peer, or `unprepare`."""
-        agent = self._require()
-        if peer not in self._peers:
-            raise TransferError(f"peer {peer!r} is unknown to {self.name!r} (call add_peer first)")
-        local_regions = local.regions if isinstance(local, WorkerMemory) else tuple(local)
-        remote_regions = remote.regions if isinstance(remote, WorkerMemory) else tuple(remote)
+        agent = self._peer_agent(peer)
+        local_regions, remote_regions = regions_of(local), regions_of(remote)
         d_addr, d_len, d_region = table.dst_side()
         s_addr, s_len, s_region = table.src_side()
         local_arr = side_array("local", d_addr, d_len, d_region, local_regions)
