@@ -74,8 +74,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
 
-    decode = SchedulerSide(vllm_config("kv_consumer"), BridgeConfig(insecure_no_auth=True))
-    prefill = SchedulerSide(vllm_config("kv_producer"), BridgeConfig(insecure_no_auth=True))
+    decode = SchedulerSide(vllm_config("kv_consumer"), BridgeConfig(keyless_exposes_kv_to_local_processes=True))
+    prefill = SchedulerSide(vllm_config("kv_producer"), BridgeConfig(keyless_exposes_kv_to_local_processes=True))
     prompt = list(range(args.tokens))
     per_step, per_request = [], []
     for step in range(args.steps):

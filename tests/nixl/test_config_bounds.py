@@ -86,7 +86,7 @@ def test_an_out_of_range_bound_refuses_to_start_naming_the_key(name, monkeypatch
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    argv = ["--role", "prefill", "--model", "m", "--platform", "cpu", "--insecure-no-key"]
+    argv = ["--role", "prefill", "--model", "m", "--platform", "cpu", "--keyless-exposes-kv-to-local-processes"]
     with pytest.raises(ConfigError, match=name):
         serve.spec_from_args(parser.parse_args([*argv, "--kv-extra", f"{name}={too_high}"]))
 
@@ -316,7 +316,7 @@ def scheduler(**bounds):
     vllm_config = SimpleNamespace(
         kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=16)
     )
-    return SchedulerSide(vllm_config, BridgeConfig(insecure_no_auth=True, **bounds))
+    return SchedulerSide(vllm_config, BridgeConfig(keyless_exposes_kv_to_local_processes=True, **bounds))
 
 
 def ask(side, request_id: str, remote_request_id: str, blocks: int = 3) -> str | None:

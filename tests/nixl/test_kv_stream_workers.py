@@ -22,10 +22,9 @@ from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.transport import kv_stream as ks
-from kvbridge.wire import messages as wire
 from kvbridge.wire import stream_messages as sm
-from kvbridge.wire.keys import KeyRing
 from kvbridge.wire.params import PrefillDone
+from support.kv_channel_client import stream_read, stream_request
 
 pytestmark = pytest.mark.nixl
 
@@ -141,43 +140,12 @@ def test_the_same_host_still_reads_over_nixl():
 
 
 def _stream_read(port: int, key: bytes, request: sm.StreamRead) -> tuple[list, Exception | None]:
-    """What a client with `key` gets for `request`: the frames (kind, index, bytes), and the error that ended it."""
-    frames: list = []
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    try:
-        current = KeyRing.of(key).current  # the key a decode worker sends with, named by its id
-        conn = ks.client_handshake(sock, current.stream, key_id=current.key_id)
-        conn.send(ks.KIND_MESSAGE, 0, sm.encode(request))
-        while True:
-            kind, index, payload = conn.recv(1 << 24)
-            frames.append((kind, index, bytes(payload)))
-            if kind == ks.KIND_MESSAGE:
-                return frames, None
-    except Exception as exc:
-        return frames, exc
-    finally:
-        sock.close()
+    return stream_read("127.0.0.1", port, key, request)
 
 
 def _request(pair: Pair, request_id: str, token: str, src: list[int], engine_id: str = "decode") -> sm.StreamRead:
     region = pair.prefill.memory.regions[0]
-    layer_bytes = region.nbytes // 2
-    block_bytes = layer_bytes // BLOCKS
-    return sm.StreamRead(
-        request_id=request_id,
-        engine_id=engine_id,
-        worker=wire.Worker(),
-        token=token,
-        groups=(
-            sm.StreamGroup(
-                block_ids=tuple(src),
-                src_addr=(region.addr, region.addr + layer_bytes),
-                block_stride=(block_bytes, block_bytes),
-                length=(block_bytes, block_bytes),
-            ),
-        ),
-        chunk_bytes=1 << 16,
-    )
+    return stream_request(region.addr, region.nbytes, BLOCKS, request_id, token, src, engine_id)
 
 
 def _claim(pair: Pair, request_id: str, token: str, src: list[int]) -> None:

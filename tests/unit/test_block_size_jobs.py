@@ -25,7 +25,7 @@ def side(role: str, block_size: int) -> SchedulerSide:
     config = SimpleNamespace(
         kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=block_size)
     )
-    return SchedulerSide(config, BridgeConfig.from_extra({"insecure_no_auth": True}))
+    return SchedulerSide(config, BridgeConfig.from_extra({"keyless_exposes_kv_to_local_processes": True}))
 
 
 def published(block_size: int, prompt: list[int]) -> dict:

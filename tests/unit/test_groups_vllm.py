@@ -84,7 +84,7 @@ def sides(config):
             kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=32)
         )
 
-    bridge = BridgeConfig.from_extra({"insecure_no_auth": True})
+    bridge = BridgeConfig.from_extra({"keyless_exposes_kv_to_local_processes": True})
     return SchedulerSide(vllm_config("producer"), bridge, config), SchedulerSide(
         vllm_config("consumer"), bridge, config
     )

@@ -27,7 +27,9 @@ def decode_side(extra: dict | None = None):
     vllm_config = SimpleNamespace(
         kv_transfer_config=kv, parallel_config=parallel, cache_config=SimpleNamespace(block_size=16)
     )
-    return scheduler_side.SchedulerSide(vllm_config, BridgeConfig.from_extra(extra or {"insecure_no_auth": True}))
+    return scheduler_side.SchedulerSide(
+        vllm_config, BridgeConfig.from_extra(extra or {"keyless_exposes_kv_to_local_processes": True})
+    )
 
 
 def params(host: str) -> dict:
@@ -82,18 +84,19 @@ def test_a_keyless_consumer_warns_once(caplog, monkeypatch):
     assert sum("no auth key" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_connector_without_a_key_needs_the_insecure_flag():
-    """Keyless only behind `insecure_no_auth`, whose docs say what it exposes: without a key and without the flag
-    the connector refuses to start, naming both; the control: the flag (the default of these tests) or a key."""
+def test_a_connector_without_a_key_needs_the_flag_naming_what_it_exposes():
+    """Keyless only behind `keyless_exposes_kv_to_local_processes`, whose docs say what it exposes: without a key and
+    without the flag the connector refuses to start, naming both; the control: the flag (the default of these tests)
+    or a key."""
     from kvbridge.core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no auth_key_file is set and insecure_no_auth is false"):
+    with pytest.raises(ConfigError, match="no auth_key_file is set and keyless_exposes_kv_to_local_processes is false"):
         decode_side({"lease_s": 30.0})
-    assert decode_side({"insecure_no_auth": True}).key is None
+    assert decode_side({"keyless_exposes_kv_to_local_processes": True}).key is None
     assert decode_side({"auth_key": "k" * 32}).key is not None
 
 
-def test_kvbridge_serve_passes_the_flag_only_with_insecure_no_key(tmp_path, monkeypatch):
+def test_kvbridge_serve_passes_the_flag_only_with_keyless_exposes_kv_to_local_processes(tmp_path, monkeypatch):
     import argparse
 
     from kvbridge.serving import serve
@@ -102,7 +105,7 @@ def test_kvbridge_serve_passes_the_flag_only_with_insecure_no_key(tmp_path, monk
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     base = ["--role", "decode", "--model", "m", "--platform", "cpu"]
-    keyless = serve.spec_from_args(parser.parse_args([*base, "--insecure-no-key"])).extra_config()
+    keyless = serve.spec_from_args(parser.parse_args([*base, "--keyless-exposes-kv-to-local-processes"])).extra_config()
     keyed = serve.spec_from_args(parser.parse_args(base)).extra_config()
-    assert keyless.get("insecure_no_auth") is True and "auth_key_file" not in keyless
-    assert "insecure_no_auth" not in keyed and keyed["auth_key_file"]
+    assert keyless.get("keyless_exposes_kv_to_local_processes") is True and "auth_key_file" not in keyless
+    assert "keyless_exposes_kv_to_local_processes" not in keyed and keyed["auth_key_file"]

@@ -195,12 +195,12 @@ def test_a_request_token_is_checked_without_knowing_the_request():
 
 
 def test_keyless_needs_the_flag_that_names_what_it_exposes():
-    with pytest.raises(ConfigError, match=r"insecure_no_auth.*read and write the KV"):
+    with pytest.raises(ConfigError, match=r"keyless_exposes_kv_to_local_processes.*read and write the KV"):
         BridgeConfig().check_auth(False)
-    BridgeConfig(insecure_no_auth=True).check_auth(False)  # control: with the flag
+    BridgeConfig(keyless_exposes_kv_to_local_processes=True).check_auth(False)  # control: with the flag
     BridgeConfig().check_auth(True)  # control: with a key
-    with pytest.raises(ConfigError, match="insecure_no_auth is true but an auth key"):
-        BridgeConfig(insecure_no_auth=True).check_auth(True)
+    with pytest.raises(ConfigError, match="keyless_exposes_kv_to_local_processes is true but an auth key"):
+        BridgeConfig(keyless_exposes_kv_to_local_processes=True).check_auth(True)
 
 
 PROMPT = list(range(10, 30))

@@ -1,7 +1,7 @@
 """Launches are keyed by default: `kvbridge demo` makes a fresh deployment key in a private temporary file and
 removes it; `kvbridge serve` uses this user's key file (created once, owner-only) unless told otherwise; running
-without a key takes an explicit --insecure-no-key and says so loudly. No vLLM is started here (test_demo.py and
-test_proxy.py run the real commands)."""
+without a key takes an explicit --keyless-exposes-kv-to-local-processes and says so loudly. No vLLM is started here
+(test_demo.py and test_proxy.py run the real commands)."""
 
 from __future__ import annotations
 
@@ -87,10 +87,10 @@ def test_the_demo_uses_a_private_key_unless_told_otherwise(monkeypatch, capsys, 
     given = tmp_path / "given"
     given.write_text("g" * 32)
     assert demo.run(demo_args("--auth-key-file", str(given))) == 0 and seen[-1] == given and given.exists()
-    assert demo.run(demo_args("--insecure-no-key")) == 0 and seen[-1] is None
+    assert demo.run(demo_args("--keyless-exposes-kv-to-local-processes")) == 0 and seen[-1] is None
     assert INSECURE_WARNING in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        demo_args("--insecure-no-key", "--auth-key-file", str(given))
+        demo_args("--keyless-exposes-kv-to-local-processes", "--auth-key-file", str(given))
 
 
 def serve_spec(*argv: str) -> serve.ServeSpec:
@@ -129,7 +129,7 @@ def test_serve_takes_a_named_key_file_only_if_it_exists(monkeypatch, tmp_path):
 
 def test_serve_without_a_key_must_be_asked_for_and_warns_loudly(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    spec = serve_spec("--insecure-no-key")
+    spec = serve_spec("--keyless-exposes-kv-to-local-processes")
     assert "auth_key_file" not in extra(spec) and "auth_key" not in extra(spec)
     serve._announce_key(spec)
     assert INSECURE_WARNING in capsys.readouterr().err
@@ -137,16 +137,17 @@ def test_serve_without_a_key_must_be_asked_for_and_warns_loudly(monkeypatch, tmp
 
 
 def test_serve_refuses_a_keyless_side_channel_beyond_loopback_up_front(monkeypatch, tmp_path):
-    """`kvbridge serve --insecure-no-key --kv-extra side_channel_host=0.0.0.0` is refused by the spec itself, not
-    only once vLLM loads the connector (which would print a command that cannot work): it refuses, dry-run included, for
-    the roles that serve a side channel; the controls: with a key, on loopback, or as a decode it is accepted."""
+    """`kvbridge serve --keyless-exposes-kv-to-local-processes --kv-extra side_channel_host=0.0.0.0` is refused by
+    the spec itself, not only once vLLM loads the connector (which would print a command that cannot work): it
+    refuses, dry-run included, for the roles that serve a side channel; the controls: with a key, on loopback, or as
+    a decode it is accepted."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     wide = ("--kv-extra", "side_channel_host=0.0.0.0")
     for role in ("prefill", "both"):
         with pytest.raises(ConfigError, match="not a loopback address"):
-            serve_spec("--role", role, "--insecure-no-key", *wide)
-    serve_spec("--role", "decode", "--insecure-no-key", *wide)
-    serve_spec("--role", "prefill", "--insecure-no-key")
+            serve_spec("--role", role, "--keyless-exposes-kv-to-local-processes", *wide)
+    serve_spec("--role", "decode", "--keyless-exposes-kv-to-local-processes", *wide)
+    serve_spec("--role", "prefill", "--keyless-exposes-kv-to-local-processes")
     serve_spec("--role", "prefill", *wide)  # the user's key file
 
 

@@ -7,8 +7,8 @@ Unknown keys are refused (a typo must not silently fall back to a default).
 
 Security: `auth_key` / `auth_key_file` is the deployment's shared key (never a default). With it every
 side-channel message is authenticated and encrypted and the prefill signs the kv_transfer_params it hands out.
-Without it the connector starts only with `insecure_no_auth` (`check_auth`), and its side channel may only listen
-on loopback (`check_exposure`).
+Without it the connector starts only with `keyless_exposes_kv_to_local_processes` (`check_auth`), and its side channel
+may only listen on loopback (`check_exposure`).
 """
 
 from __future__ import annotations
@@ -144,10 +144,12 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     (`wire.auth`): hosts whose clocks differ keep working, and a sender whose request is still refused gets an
     error naming the measured difference."""
 
-    insecure_no_auth: bool = False
-    """Run without a deployment key. Then any local process can handshake with the side channel, learn the NIXL
-    metadata and memory map, and READ and WRITE every request's KV (and free or pin requests); the side channel may
-    only listen on loopback. Without a key and without this flag the connector refuses to start."""
+    keyless_exposes_kv_to_local_processes: bool = False
+    """Run without a deployment key, which exposes the KV to every process of this host: any local process can
+    handshake with the side channel, learn the NIXL metadata and memory map, READ and WRITE every request's KV, free
+    or pin requests, and crash a worker with malformed metadata; the side channel may only listen on loopback
+    (`kvbridge serve`/`demo --keyless-exposes-kv-to-local-processes` set it). Without a key and without this flag the
+    connector refuses to start, naming it."""
 
     max_remote_workers: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
     """Largest prefill layout (dp*pp*tp) a decode instance accepts in kv_transfer_params, checked before anything
@@ -296,15 +298,18 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         )
 
     def check_auth(self, has_key: bool) -> None:
-        """Refuse to run without a key unless `insecure_no_auth` says so (ConfigError naming both fields), and
-        refuse the flag beside a key (which one would apply?)."""
-        if has_key and self.insecure_no_auth:
-            raise ConfigError("kv_connector_extra_config: insecure_no_auth is true but an auth key is set: drop one")
-        if not has_key and not self.insecure_no_auth:
+        """Refuse to run without a key unless `keyless_exposes_kv_to_local_processes` says so (ConfigError naming both
+        fields), and refuse the flag beside a key (which one would apply?)."""
+        if has_key and self.keyless_exposes_kv_to_local_processes:
             raise ConfigError(
-                "kv_connector_extra_config: no auth_key_file is set and insecure_no_auth is false: set auth_key_file "
-                "to the deployment key (kvbridge serve makes one), or insecure_no_auth: true to let any local "
-                "process handshake, read and write the KV"
+                "kv_connector_extra_config: keyless_exposes_kv_to_local_processes is true but an auth key is set: "
+                "drop one"
+            )
+        if not has_key and not self.keyless_exposes_kv_to_local_processes:
+            raise ConfigError(
+                "kv_connector_extra_config: no auth_key_file is set and keyless_exposes_kv_to_local_processes is "
+                "false: set auth_key_file to the deployment key (kvbridge serve makes one), or "
+                "keyless_exposes_kv_to_local_processes: true to let any local process handshake, read and write the KV"
             )
 
     def nixl_crosses_hosts(self, env_devices: str | None = None) -> bool:

@@ -13,8 +13,8 @@ the wire rate (bytes over wire time only).
 Every process it started is stopped on success, failure and Ctrl-C.
 
 Both servers share a deployment key, so their side channels answer only each other: a fresh random key in a
-private temporary file (0600, removed at the end) unless --auth-key-file names one. --insecure-no-key runs
-without one (loopback only, and any local process could then read the KV).
+private temporary file (0600, removed at the end) unless --auth-key-file names one.
+--keyless-exposes-kv-to-local-processes runs without one (loopback only, and any local process could then read the KV).
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--auth-key-file", metavar="PATH", help="the deployment key (default: a fresh one in a private temp file)"
     )
     key.add_argument(
-        "--insecure-no-key", action="store_true", help="no deployment key: any local process can read the KV"
+        "--keyless-exposes-kv-to-local-processes",
+        action="store_true",
+        help="no deployment key: any local process can read the KV",
     )
 
 
@@ -76,7 +78,9 @@ def _cores(workers: int, side: int) -> str:
 def _server(
     name: str, model: Path, layout: ParallelLayout, side: int, workdir: Path, key_file: Path | None
 ) -> VllmServer:
-    secure = {"auth_key_file": str(key_file)} if key_file is not None else {"insecure_no_auth": True}
+    secure = (
+        {"auth_key_file": str(key_file)} if key_file is not None else {"keyless_exposes_kv_to_local_processes": True}
+    )
     return VllmServer(
         model,
         port=free_port(),
@@ -196,7 +200,7 @@ def summary(rows: list[Row]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.insecure_no_key:
+    if args.keyless_exposes_kv_to_local_processes:
         print(INSECURE_WARNING, file=sys.stderr, flush=True)
         return _run(args, None)
     with private_key_file(args.auth_key_file) as key_file:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 KEY_FILE_NAME = "deployment.key"
 INSECURE_WARNING = (
-    "WARNING: kvbridge runs WITHOUT a deployment key (--insecure-no-key): the side channel answers anyone who can "
-    "reach it, so any local process can fetch the NIXL metadata and read or overwrite every user's KV cache, and "
-    "free or pin other users' requests. Use this only on a machine no one else uses."
+    "WARNING: kvbridge runs WITHOUT a deployment key (--keyless-exposes-kv-to-local-processes): the side channel "
+    "answers anyone who can reach it, so any local process can fetch the NIXL metadata and read or overwrite every "
+    "user's KV cache, and free or pin other users' requests. Use this only on a machine no one else uses."
 )
 
 

@@ -437,10 +437,11 @@ def _group_alive(pgid: int) -> bool:
 def kvbridge_config(role: str = "kv_both", policy: str | None = None, **extra: Any) -> dict[str, Any]:
     """The --kv-transfer-config for KVBridgeConnector: `role` is vLLM's kv_role, `policy` its
     kv_load_failure_policy, `extra` becomes kv_connector_extra_config (see kvbridge.core.config.BridgeConfig).
-    For the test and bench harnesses: an `extra` naming no key says `insecure_no_auth` (loopback servers started
-    together); `kvbridge serve` and `demo` build their own and set it only with --insecure-no-key."""
-    if not extra.keys() & {"auth_key", "auth_key_file", "insecure_no_auth"}:
-        extra["insecure_no_auth"] = True
+    For the test and bench harnesses: an `extra` naming no key says `keyless_exposes_kv_to_local_processes` (loopback
+    servers started together); `kvbridge serve` and `demo` build their own and set it only with
+    --keyless-exposes-kv-to-local-processes."""
+    if not extra.keys() & {"auth_key", "auth_key_file", "keyless_exposes_kv_to_local_processes"}:
+        extra["keyless_exposes_kv_to_local_processes"] = True
     config: dict[str, Any] = {
         "kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "kvbridge.vllm",

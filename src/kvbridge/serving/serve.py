@@ -23,9 +23,9 @@ the eager-backend compilation config for PP > 1 (vLLM's eager PP bug on CPU), un
 A deployment key is always used unless asked otherwise: `--auth-key-file PATH` (an existing file), by default
 this user's `~/.config/kvbridge/deployment.key` (created with a fresh random key, owner-only, if missing), so
 that servers started one by one on this machine share it; give the same file to `kvbridge proxy --auth-key-file`
-and copy it to every other host of the deployment. `--kv-extra auth_key_file=...` works too. `--insecure-no-key`
-runs without one, with a loud warning: the side channel then answers anyone on this machine (and refuses to
-listen beyond loopback).
+and copy it to every other host of the deployment. `--kv-extra auth_key_file=...` works too.
+`--keyless-exposes-kv-to-local-processes` runs without one, with a loud warning: the side channel then answers
+anyone on this machine (and refuses to listen beyond loopback).
 
 The process handling is `kvbridge.serving.launcher.VllmServer`'s: the server runs in its own session with its output
 in a log file, which is echoed here; Ctrl-C or SIGTERM stops its whole process tree.
@@ -136,8 +136,11 @@ class ServeSpec:
         extra = dict(self.kv_extra)
         if self.auth_key_file is not None and not extra.keys() & {"auth_key", "auth_key_file"}:
             extra["auth_key_file"] = self.auth_key_file
-        if not extra.keys() & {"auth_key", "auth_key_file"}:  # --insecure-no-key: the connector needs the flag
-            extra.setdefault("insecure_no_auth", True)
+        if not extra.keys() & {
+            "auth_key",
+            "auth_key_file",
+        }:  # --keyless-exposes-kv-to-local-processes: the connector needs the flag
+            extra.setdefault("keyless_exposes_kv_to_local_processes", True)
         if self.side_channel_port is not None:
             extra["side_channel_port"] = self.side_channel_port
         if self.lease_s is not None:
@@ -306,7 +309,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{default_key_file()}, created if missing)",
     )
     key.add_argument(
-        "--insecure-no-key",
+        "--keyless-exposes-kv-to-local-processes",
         action="store_true",
         help="no deployment key: anyone on this machine can read every user's KV (loopback only)",
     )
@@ -348,12 +351,12 @@ def _parse_extra(items: Sequence[str]) -> dict[str, Any]:
 
 def key_file_from_args(args: argparse.Namespace, kv_extra: Mapping[str, Any]) -> str | None:
     """The key file `kvbridge serve` adds: --auth-key-file, else the user's default; None when the extra config
-    names a key itself or with --insecure-no-key."""
+    names a key itself or with --keyless-exposes-kv-to-local-processes."""
     if kv_extra.keys() & {"auth_key", "auth_key_file"}:
         if args.auth_key_file:
             raise ConfigError("give --auth-key-file or --kv-extra auth_key_file/auth_key, not both")
         return None
-    if args.insecure_no_key:
+    if args.keyless_exposes_kv_to_local_processes:
         return None
     if args.auth_key_file:  # a path the user names must exist: a typo must not make a second key
         path = Path(args.auth_key_file).expanduser()
