@@ -175,12 +175,19 @@ def test_a_full_server_evicts_its_least_recently_used_idle_connection(limit):
     """Limit 2, two idle pooled connections of one reader: a second reader's load still succeeds, cutting the
     least recently used idle connection (and a connection that never proved the key goes before either)."""
     src = Side(5)
-    server = KvStreamServer(src.memory, stream_key(KEY), lambda r: 1e18, **{limit: 2}).start()
+    both_open = threading.Event()  # the server answers no read before the reader has opened both connections
+    server = KvStreamServer(src.memory, stream_key(KEY), lambda r: both_open.wait(10) and 1e18, **{limit: 2})
+    server.start()
     first = Reader(server.port, src, kv_stream_connections=2)
     second = Reader(server.port, src, kv_stream_connections=1)
+    loaded = []
+    reading = threading.Thread(target=lambda: loaded.append(first.load("a", list(range(40)), list(range(40, 80)))))
     try:
-        assert first.load("a", list(range(40)), list(range(40, 80))) == ""  # chunks over both connections
+        reading.start()  # its chunks over both connections: neither is answered (and pooled) before both are open
         assert _wait(lambda: server.open_connections == 2)
+        both_open.set()
+        reading.join(10)
+        assert loaded == [""]
         assert _wait(lambda: not any(c.busy for c in server._conns)), "both answered their StreamEnd"
         stranger = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # never proves the key
         assert _wait(lambda: server.counts["connections"] == 3)
@@ -190,6 +197,8 @@ def test_a_full_server_evicts_its_least_recently_used_idle_connection(limit):
         assert stranger.recv(1) == b"", "the unauthenticated connection went first"
         stranger.close()
     finally:
+        both_open.set()
+        reading.join(10)
         first.reads.close()
         second.reads.close()
         server.close()
