@@ -71,9 +71,10 @@ def test_concurrent_ipc_loads_are_exact_and_release_every_prefill_worker():
     assert_loaded_and_released(s, run_transfer(s, timeout_s=120))
 
 
-def test_a_refused_claim_fails_the_ipc_load_before_any_kernel():
-    """The claim (another prompt's hash) is refused before anything is launched: the load fails, the decode's
-    blocks are untouched, and the decode side's abort frees the request on every prefill worker at once."""
+def test_a_refused_claim_fails_the_ipc_load_and_frees_the_prefill_request():
+    """The claim (another prompt's hash) is refused while the load's kernels run: the load fails once they are
+    done, the decode's other blocks are untouched, and the decode side's abort frees the request on every prefill
+    worker at once."""
     s = scenario("pp=2", "tp=2", wrong="prompt_hash")
     result = run_transfer(s, timeout_s=120)
     for worker in result["decode"]:

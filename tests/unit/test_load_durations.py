@@ -1,5 +1,5 @@
-"""A load's phases (`Load.durations`): on the CUDA IPC path the block-id checks are a phase of their own, which
-overlaps the claim when they ran while the claim was on the wire, and the post's launch part is what follows."""
+"""A load's phases (`Load.durations`): on the CUDA IPC path the block-id checks and the launch are the two parts of
+its post; a load whose kernels went out during its claim counts as `claim` only what the claim took beyond them."""
 
 from __future__ import annotations
 
@@ -19,23 +19,42 @@ def ipc_load(**marks: float) -> Load:
     return load
 
 
-def test_checks_made_during_the_claim_are_their_own_phase():
-    load = ipc_load(checks_began=10.0012, checked=10.0015, started=10.0031, launched=10.0034, posted=10.0035)
-    phases = load.durations(reported=10.007)
-    assert phases["checks"] == pytest.approx(0.3e-3)  # inside the claim (10.001 -> 10.003), not clipped to 0
-    assert phases["claim"] == pytest.approx(2e-3)
-    assert phases["post"] == pytest.approx(0.4e-3)
-    assert phases["post_launch"] == pytest.approx(0.3e-3)  # started -> launched: the checks are not in it
-    assert "post_checks" not in phases
-
-
 def test_checks_made_in_the_post_are_counted_there_once():
-    """The control: checks not made ahead run in the post; post_launch then starts when they end."""
     load = ipc_load(started=10.0031, checks_began=10.0031, checked=10.0033, launched=10.0035, posted=10.0036)
     phases = load.durations(reported=10.007)
+    assert phases["claim"] == pytest.approx(2e-3)
     assert phases["checks"] == pytest.approx(0.2e-3)
-    assert phases["post_launch"] == pytest.approx(0.2e-3)
+    assert phases["post_launch"] == pytest.approx(0.2e-3)  # after the checks: they are not counted twice
     assert phases["post"] == pytest.approx(0.5e-3)
+
+
+def test_a_load_launched_during_its_claim_counts_only_the_claims_excess():
+    """Kernels out at 10.0015, done at 10.0045; the claim answered at 10.006: 1.5 ms of claim beyond the kernels."""
+    load = ipc_load(
+        launched_in_claim=True,
+        started=10.0012,
+        checks_began=10.0012,
+        checked=10.0013,
+        launched=10.0015,
+        posted=10.0015,
+        kernels_landed=10.0045,
+        claimed=10.0059,
+        landed=10.006,
+    )
+    phases = load.durations(reported=10.007)
+    assert phases["queue"] == pytest.approx(0.2e-3)
+    assert phases["post"] == pytest.approx(0.3e-3)
+    assert phases["wire"] == pytest.approx(3e-3)
+    assert phases["claim"] == pytest.approx(1.5e-3)
+    assert phases["hop"] == pytest.approx(5e-3)  # claim sent -> data in and claim granted
+    assert sum(phases[p] for p in ("handshake", "queue", "post", "wire", "claim", "report")) == pytest.approx(
+        phases["total"]
+    )
+
+
+def test_a_claim_answered_before_the_kernels_finish_adds_nothing():
+    load = ipc_load(launched_in_claim=True, started=10.0012, posted=10.0015, kernels_landed=10.0058, landed=10.0058)
+    assert load.durations(reported=10.007)["claim"] == 0.0
 
 
 def test_a_nixl_load_has_no_check_phases():
@@ -50,21 +69,16 @@ class _Reader:
         return object(), object()
 
 
-def test_the_ipc_path_stamps_its_checks_where_they_run():
-    """prepare() (the claiming thread, claim on the wire) stamps the checks before `started`; the launch then
-    checks nothing again and the checks do not reach into post_launch."""
+def test_the_ipc_path_stamps_its_checks_in_the_launch():
     ipc = IpcReads(None, None, (), loaded=lambda *a: None, failed=lambda *a: pytest.fail(str(a)))
     ipc.reader = _Reader()
     load = Load(LoadJob("r", None, (), ()), queued=1.0, deadline=1e12)
     load.engine = SimpleNamespace(kernels={}, peers={})
     load.connected = load.claim_sent = 1.0
-    ipc.prepare(load)
-    assert 0 < load.checks_began <= load.checked
-    checked = load.checked
     load.claimed = load.started = time.monotonic()
     ipc.launch(load)
-    assert load.checked == checked  # not checked again
+    assert load.started <= load.checks_began <= load.checked <= load.launched <= load.posted
     load.landed = load.posted
     phases = load.durations(reported=load.landed)
-    assert phases["checks"] == pytest.approx(checked - load.checks_began)
-    assert phases["post_launch"] == pytest.approx(load.launched - load.started)
+    assert phases["checks"] == pytest.approx(load.checked - load.checks_began)
+    assert phases["post_launch"] == pytest.approx(load.launched - load.checked)

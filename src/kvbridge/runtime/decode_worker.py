@@ -6,7 +6,9 @@ Every load takes one order of operations, whatever the path:
     in flight --(poll / waiter)--> reported --(notifier) Notify the prefill workers
 
 and on any failure: drained (nothing can still write the blocks) --> reported failed --> Abort to the prefill
-workers, which free the blocks at once. Every load has a deadline from the moment it is queued.
+workers, which free the blocks at once. Every load has a deadline from the moment it is queued. On the CUDA IPC
+path the claiming thread launches the kernels while its claim is on the wire, and the load is reported once both
+are done (`IpcReads.claim_done`): a read only reads, and counts only if the claim is granted.
 
 `DecodeWorker` runs that order; each read path is an object of its own that reports back to it:
 `nixl_reads.NixlReads` (READs across hosts, and the fallback) and `ipc_reads.IpcReads` (gather kernels over CUDA
@@ -283,6 +285,8 @@ class DecodeWorker:
                     raise
                 if stale:
                     self.peers.drop(engine, f"worker {stale} restarted (new epoch)")
+                    if load.claim_open:  # kernels already read the old run's memory: this load fails
+                        raise TransferError(f"prefill engine {engine.key[0]} restarted during the load")
                     self.peers.end(engine)
                     load.begun = False
                     if retried:
@@ -293,9 +297,14 @@ class DecodeWorker:
         except Exception as exc:
             if not isinstance(exc, KVBridgeError):
                 logger.exception("kvbridge decode %s: claim step failed", self.identity)
-            self._fail(load, str(exc) or type(exc).__name__)
+            if load.claim_open:  # its kernels run: it fails once they are done
+                self.ipc.claim_done(load, str(exc) or type(exc).__name__)
+            else:
+                self._fail(load, str(exc) or type(exc).__name__)
             return
-        if load.claim_sent and self._launches_here(load):
+        if load.claim_open:
+            self.ipc.claim_done(load)  # granted: reported now, or when its kernels finish
+        elif load.claim_sent and self._launches_here(load):
             self._post(load)  # the kernels go out from the thread that claimed: no hand-off to the transfer thread
         else:
             self._ready.put(load)
@@ -319,9 +328,16 @@ class DecodeWorker:
             self.identity,
             self.config,
             self._clients.get(),
-            # the CUDA IPC path checks the block ids while the claim is on the wire, not after it
-            while_waiting=(lambda: self.ipc.prepare(load)) if self._launches_here(load) else None,
+            # the CUDA IPC path checks the block ids and launches its kernels while the claim is on the wire
+            while_waiting=(lambda: self._launch_in_claim(load)) if self._launches_here(load) else None,
         )
+
+    def _launch_in_claim(self, load: Load) -> None:
+        """Launch a CUDA IPC load's kernels while its claim is on the wire (once, whatever the claim's rounds): a
+        read only reads, and the load counts only if the claim is then granted (`IpcReads.claim_done`)."""
+        if not load.started:
+            load.started = time.monotonic()
+            self.ipc.launch(load, claim_open=True)
 
     # -- transfer thread ----------------------------------------------------------------------------
 

@@ -8,6 +8,11 @@ thread that has it ready (the transfer thread, or the control thread that claime
 `_launching`, on one stream, so kernels finish in launch order; the waiter thread sleeps on each load's
 blocking-sync event in that order and reports it. A launch that fails waits for the stream first: whatever it
 queued must finish before the engine can reuse the blocks.
+
+A load's kernels may go out while its claim is still on the wire (`launch(load, claim_open=True)`): a read only
+reads, and the prefill worker held the request's blocks from before its params left it. Such a load is reported
+once both are done (`claim_done`): loaded if the claim was granted, failed (its kernels finished: nothing writes
+its blocks any more) if it was refused.
 """
 
 from __future__ import annotations
@@ -59,13 +64,17 @@ class IpcReads:
         self.reader: IpcReader | None = None
         self._launched: queue.Queue[Load | None] = queue.Queue()  # kernels queued, in launch order (one stream)
         self._launching = threading.Lock()  # one launch at a time: stream order = the waiter's order
+        self._joined = threading.Lock()  # a load launched during its claim: its kernels' end meets its claim's
         self._waiter: threading.Thread | None = None
 
-    def start(self) -> IpcReads:
-        """Open the GPU side and start the waiter; raises without Triton or CUDA (the worker then uses NIXL only)."""
-        from kvbridge.transport.ipc_reader import IpcReader
+    def start(self, reader: IpcReader | None = None) -> IpcReads:
+        """Open the GPU side (or take `reader`) and start the waiter; raises without Triton or CUDA (the worker then
+        uses NIXL only)."""
+        if reader is None:
+            from kvbridge.transport.ipc_reader import IpcReader
 
-        self.reader = IpcReader(self.memory, self.regions)
+            reader = IpcReader(self.memory, self.regions)
+        self.reader = reader
         self._waiter = threading.Thread(target=self._wait_loop, name="kvbridge-ipc-wait", daemon=True)
         self._waiter.start()
         return self
@@ -95,14 +104,6 @@ class IpcReads:
 
     # -- per load ---------------------------------------------------------------------------------
 
-    def prepare(self, load: Load) -> None:
-        """Check and convert the load's block ids ahead of its launch (the claiming thread does it while its claim
-        is on the wire); a failure is left for the launch to report."""
-        try:
-            load.block_arrays = self._checked(load)
-        except Exception:  # reported by the launch, which checks again
-            load.block_arrays = None
-
     def _checked(self, load: Load) -> tuple:
         """The load's (remote, local) block ids as arrays, checked against every worker read and this one (timed:
         `Load.checks_began` -> `Load.checked`)."""
@@ -114,11 +115,35 @@ class IpcReads:
         load.checked = time.monotonic()
         return remote, local
 
-    def launch(self, load: Load) -> None:
+    def launch(self, load: Load, claim_open: bool = False) -> None:
         """Queue the load's kernels (any thread, one at a time); a failed launch reports the load once the stream is
-        idle."""
+        idle. `claim_open`: its claim is still on the wire; the load is reported only after `claim_done` too."""
+        load.claim_open = load.launched_in_claim = claim_open
         with self._launching:
             self._launch(load)
+
+    def claim_done(self, load: Load, error: str = "") -> None:
+        """The claim of a load launched during it is answered: granted (no `error`) or not. The load is reported
+        now if its kernels have finished, else when they do."""
+        if error:
+            load.error = load.error or error
+        self._finish(load, claim=True)
+
+    def _finish(self, load: Load, *, kernels: bool = False, claim: bool = False) -> None:
+        """Report the load once its kernels are done and its claim (if it was launched during one) is answered;
+        whichever comes second reports it."""
+        with self._joined:
+            if kernels:
+                load.kernels_done = True
+            if claim:
+                load.claim_open = False
+            ready = load.kernels_done and not load.claim_open
+        if not ready:
+            return
+        if load.error:
+            self.failed(load, load.error)
+        else:
+            self.loaded(load, load.gpu_s)
 
     def _launch(self, load: Load) -> None:
         engine, job = load.engine, load.job
@@ -136,8 +161,8 @@ class IpcReads:
             except Exception:
                 logger.exception("kvbridge decode %s: stream sync after a failed launch failed", self.identity)
                 return  # unknown state: keep the blocks (the request stays unreported, never reused)
-            load.error = str(exc)
-            self.failed(load, load.error)
+            load.error = load.error or str(exc)
+            self._finish(load, kernels=True)
             return
         load.nbytes = sum(k.block_bytes for k in live.values()) * job.num_blocks
         load.posted = time.monotonic()
@@ -152,10 +177,8 @@ class IpcReads:
             except Exception as exc:  # a CUDA error: the bytes are unknown; the load fails, vLLM recomputes
                 logger.exception("kvbridge decode %s: gather kernel failed", self.identity)
                 load.error = f"gather kernel failed: {exc}"
-            if load.error:
-                self.failed(load, load.error)
-                continue
-            gpu_s = None
-            with contextlib.suppress(Exception):  # a statistic: never lose this thread (and every later load) to it
-                gpu_s = load.start_event.elapsed_time(load.event) / 1e3
-            self.loaded(load, gpu_s)
+            load.kernels_landed = time.monotonic()
+            if not load.error:
+                with contextlib.suppress(Exception):  # a statistic: never lose this thread (and later loads) to it
+                    load.gpu_s = load.start_event.elapsed_time(load.event) / 1e3
+            self._finish(load, kernels=True)

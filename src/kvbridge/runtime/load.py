@@ -86,7 +86,9 @@ class Load:
     # refusals as not held) -> started (its path took it: the transfer thread, or the claiming thread on the CUDA
     # IPC path) -> posted (READs posted or kernels queued; with CMA, READs of host memory copy inside the post) ->
     # landed (its data is in its blocks) -> reported (handed to vLLM). On the CUDA IPC path its block ids are
-    # checked from checks_began to checked: while its claim is on the wire (before `started`), or else in the post.
+    # checked from checks_began to checked, in its post, and with claims on its kernels go out while its claim is
+    # on the wire (`launched_in_claim`: its timeline is then queued -> started -> posted -> kernels_landed ->
+    # landed, the claim answered by `landed`).
     connected: float = 0.0
     claim_sent: float = 0.0
     claimed: float = 0.0
@@ -112,7 +114,17 @@ class Load:
         return ", ".join(out)
 
     def marks(self) -> list[tuple[str, float]]:
-        """The end of each phase, in order (a load without a claim has none: its claim phase is empty)."""
+        """The end of each phase, in order (a load without a claim has none: its claim phase is empty). A CUDA IPC
+        load launched during its claim: handshake, queue, post, wire (its kernels), then `claim`: what its claim
+        took beyond its kernels (0 when the claim was answered first)."""
+        if self.launched_in_claim:
+            return [
+                ("handshake", self.connected),
+                ("queue", self.started),
+                ("post", self.posted),
+                ("wire", self.kernels_landed),
+                ("claim", self.landed),
+            ]
         claimed = self.claimed or (self.connected if not self.claim_sent else 0.0)
         return [
             ("handshake", self.connected),
@@ -124,9 +136,8 @@ class Load:
 
     def durations(self, reported: float) -> dict[str, float]:
         """Seconds of each phase of a load that landed, and `hop` (claim sent -> landed: the KV hop) and `total`
-        (queued -> reported). A CUDA IPC load also has `checks` (its block ids checked: a phase of its own, which
-        overlaps the claim when the checks ran while the claim was on the wire) and `post_launch` (the post after
-        the checks: events, id upload, kernel launches)."""
+        (queued -> reported). A CUDA IPC load also has `checks` (its block ids checked, in its post) and
+        `post_launch` (the post after the checks: events, id upload, kernel launches)."""
         out, last = {}, self.queued
         for name, t in self.marks():
             out[name] = max(0.0, t - last)
@@ -139,10 +150,17 @@ class Load:
             out["post_launch"] = max(0.0, self.launched - max(self.started, self.checked))
         return out
 
-    # CUDA IPC path: its block ids checked ahead (IpcReads.prepare), the kernels' events (the GPU time is
+    # CUDA IPC path: its block ids as checked arrays, the kernels' events (the GPU time is
     # start_event.elapsed_time(event))
     block_arrays: tuple | None = None
     event: Any = None
     start_event: Any = None
+    gpu_s: float | None = None  # the kernels' time on the GPU, once they finished (None: unknown)
+    # A load whose kernels went out while its claim was on the wire: reported once both are done
+    # (`IpcReads.claim_done`); its kernels finished at `kernels_landed`, its claim was answered by `landed`.
+    launched_in_claim: bool = False
+    claim_open: bool = False
+    kernels_done: bool = False
+    kernels_landed: float = 0.0
     error: str = ""  # set once it failed; it is reported when nothing can still write its blocks
     unfinished: frozenset[str] = frozenset()  # NIXL agents whose READs of it were still running when it failed
