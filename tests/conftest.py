@@ -7,13 +7,19 @@ Property tests (Hypothesis) run under one of two profiles, chosen by KVBRIDGE_HY
 - `ci` (`make test`, `.ci/run`): 60 examples a test, derandomized (the same examples on every run: a failure
   reproduces), no example database.
 Tests whose examples are costly (real sockets, NIXL agents) cap their own count lower with `@settings`.
+
+The run's summary lists when each vLLM server became ready and how long it took to stop (the launcher's INFO lines,
+with the test that was running), so that a CI log shows what each module's servers cost.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from hypothesis import HealthCheck, settings
+
+from kvbridge.serving import launcher
 
 PROFILE_ENV = "KVBRIDGE_HYPOTHESIS_PROFILE"
 
@@ -28,3 +34,26 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get(PROFILE_ENV, "dev"))
+
+
+class _ServerTimes(logging.Handler):
+    """The launcher's ready and stop lines, each with the test (and phase) that was running."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.getMessage()}  [{os.environ.get('PYTEST_CURRENT_TEST', '-')}]")
+
+
+SERVER_TIMES = _ServerTimes()
+launcher.log.addHandler(SERVER_TIMES)
+launcher.log.setLevel(logging.INFO)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if SERVER_TIMES.lines:
+        terminalreporter.section("vLLM servers: ready and stop times")
+        for line in SERVER_TIMES.lines:
+            terminalreporter.write_line(line)

@@ -72,6 +72,13 @@ MAX_TOKENS = 8
 MLA_ARGS = ("--no-enable-prefix-caching", "--attention-backend", "CPU_MLA")
 
 
+# vLLM's NixlConnector gives its UCX backend 4 threads unless told otherwise (`num_threads`), beside NIXL's progress
+# thread, which polls without pause; with the reference's four workers on 2 cores the machine ran at 60-78% system
+# time. Without the extra threads (as kvbridge's own transport runs) a worker made half the system calls, and the same
+# KV moves.
+NIXL_EXTRA = {"num_threads": 0}
+
+
 def nixl_server(model, name: str, cores: str, root, tp: int) -> VllmServer:
     """A `kv_both` server with vLLM's own NixlConnector, for the reference."""
     return VllmServer(
@@ -82,7 +89,11 @@ def nixl_server(model, name: str, cores: str, root, tp: int) -> VllmServer:
         block_size=BLOCK,
         max_model_len=1024,
         extra_args=MLA_ARGS,
-        kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+        kv_transfer_config={
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": NIXL_EXTRA,
+        },
         env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_base_port(8))},
         name=f"mla-nixl-{name}",
         log_path=root / f"nixl-{name}.log",

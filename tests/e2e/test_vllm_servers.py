@@ -1,7 +1,8 @@
 """Real vLLM CPU servers (kvbridge.serving.launcher) serving the tiny model (kvbridge.serving.tiny_model).
 
-The `vllm` tests start real servers, one at a time (2 cores): PP=1 and PP=2 must give token-identical greedy
-outputs in float32, and the model must not be degenerate. The other tests are fast and need no vLLM.
+The `vllm` tests start real servers: PP=1 and PP=2 (started together) must give token-identical greedy outputs in
+float32, and the model must not be degenerate; two servers that cannot start (started together) must each fail
+`wait_ready` at once with their log tail, and `running` must stop both. The other tests are fast and need no vLLM.
 """
 
 from __future__ import annotations
@@ -44,29 +45,34 @@ def _prompts(count: int = 4, vocab: int = 1024, seed: int = 1234) -> list[list[i
 PROMPTS = _prompts()
 
 
-def _serve_and_generate(model: Path, log_dir: Path, *, pp: int = 1, tp: int = 1) -> dict:
-    """Start one server, generate for every prompt, read its metrics, stop it (also on failure)."""
-    name = f"pp{pp}tp{tp}"
-    server = VllmServer(model, pp=pp, tp=tp, name=name, log_path=log_dir / f"{name}.log")
-    with server:
-        startup_s = server.wait_ready(
-            READY_TIMEOUT_S,
-            progress=lambda t, line: print(f"  [{name} {t:4.0f} s] {line[-120:]}", flush=True),
+def _serve_and_generate(model: Path, log_dir: Path, pps: tuple[int, ...] = (1, 2)) -> dict[int, dict]:
+    """Start one server per PP size together, generate for every prompt on each, read their metrics, stop them
+    (also on failure). PP=1 runs on core 1 and PP=2 on both, so that neither waits for the other's first core."""
+    servers = {
+        pp: VllmServer(
+            model, pp=pp, name=f"pp{pp}tp1", cpu_offset=1 if pp == 1 else 0, log_path=log_dir / f"pp{pp}.log"
         )
-        started = time.monotonic()
-        replies = [complete(server.url, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
-        generate_s = time.monotonic() - started
-        samples = metrics(server.url)
-    print(f"  {name}: ready after {startup_s:.1f} s, {len(PROMPTS)} requests in {generate_s:.2f} s", flush=True)
-    assert server.process is not None and server.process.poll() is not None
-    return {"startup_s": startup_s, "replies": replies, "metrics": samples}
+        for pp in pps
+    }
+    runs = {}
+    with running(list(servers.values()), READY_TIMEOUT_S):
+        for pp, server in servers.items():
+            started = time.monotonic()
+            replies = [complete(server.url, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS]
+            generate_s = time.monotonic() - started
+            runs[pp] = {"startup_s": server.ready_after_s, "replies": replies, "metrics": metrics(server.url)}
+            print(f"  {server.name}: {len(PROMPTS)} requests in {generate_s:.2f} s", flush=True)
+    for server in servers.values():
+        print(f"  {server.name}: ready after {server.ready_after_s:.1f} s", flush=True)
+        assert server.process is not None and server.process.poll() is not None
+    return runs
 
 
 @pytest.mark.vllm
 @needs_vllm
 def test_pp1_and_pp2_give_identical_greedy_tokens(tiny_model: Path, tmp_path: Path) -> None:
     started = time.monotonic()
-    runs = {pp: _serve_and_generate(tiny_model, tmp_path, pp=pp) for pp in (1, 2)}
+    runs = _serve_and_generate(tiny_model, tmp_path)
     outputs = {}
     for pp, run in runs.items():
         tokens = []
@@ -88,24 +94,31 @@ def test_pp1_and_pp2_give_identical_greedy_tokens(tiny_model: Path, tmp_path: Pa
     assert len({tuple(seq) for seq in outputs[1]}) == len(PROMPTS)
 
 
+@pytest.fixture(scope="module")
+def doomed(tmp_path_factory) -> tuple[list[VllmServer], pytest.ExceptionInfo[ServerError]]:
+    """Two servers of a model that does not exist, started together through `running` (whose `wait_ready` calls
+    see them die); the servers and the error `running` raised."""
+    root = tmp_path_factory.mktemp("doomed")
+    servers = [
+        VllmServer(root / f"no-model-{i}", name=f"doomed-{i}", log_path=root / f"doomed-{i}.log") for i in range(2)
+    ]
+    with pytest.raises(ServerError, match="exited with code") as err, running(servers, READY_TIMEOUT_S):
+        pytest.fail("running() returned with servers that cannot start")
+    return servers, err
+
+
 @pytest.mark.vllm
 @needs_vllm
-def test_wait_ready_fails_fast_with_the_log_tail_when_the_server_dies(tmp_path: Path) -> None:
-    server = VllmServer(tmp_path / "no-such-model", name="doomed", log_path=tmp_path / "doomed.log")
-    with server, pytest.raises(ServerError, match="exited with code") as err:
-        server.wait_ready(READY_TIMEOUT_S)
+def test_wait_ready_fails_fast_with_the_log_tail_when_the_server_dies(doomed) -> None:
+    _, err = doomed
+    assert "exited with code" in str(err.value)
     assert "log tail" in str(err.value)
 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_running_stops_every_server_when_one_fails(tmp_path: Path) -> None:
-    servers = [
-        VllmServer(tmp_path / f"no-model-{i}", name=f"doomed-{i}", log_path=tmp_path / f"doomed-{i}.log")
-        for i in range(2)
-    ]
-    with pytest.raises(ServerError, match="exited with code"), running(servers):
-        pytest.fail("running() returned with servers that cannot start")
+def test_running_stops_every_server_when_one_fails(doomed) -> None:
+    servers, _ = doomed
     for server in servers:
         assert server.process is not None and server.process.poll() is not None
 

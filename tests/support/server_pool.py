@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvbridge.serving.launcher import VllmServer
+from kvbridge.serving.launcher import VllmServer, stop_all
 from support.e2e_support import FOUR, Place, layout_servers
 
 PORT_FIELDS = ("side_channel_port",)
@@ -85,14 +85,14 @@ class ServerPool:
         """Stop every idle server."""
         servers = list(self._idle.values())
         self._idle.clear()
-        _stop_all(servers)
+        stop_all(servers)
 
     def close(self) -> None:
         """Stop every server (idle or still leased)."""
         servers = [*self._idle.values(), *self._leased.values()]
         self._idle.clear()
         self._leased.clear()
-        _stop_all(servers)
+        stop_all(servers)
 
     # -- internals ------------------------------------------------------------------------------------
 
@@ -124,10 +124,3 @@ class ServerPool:
         while sum(s.num_workers for s in self._idle.values()) > self.max_idle_workers:
             _, oldest = self._idle.popitem(last=False)
             oldest.stop()
-
-
-def _stop_all(servers: list[VllmServer]) -> None:
-    """Stop the servers side by side (each waits up to its grace period for its process tree to end)."""
-    if servers:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda server: server.stop(), servers))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import signal
@@ -53,6 +54,9 @@ from kvbridge.serving.key_files import new_key as new_key
 from kvbridge.serving.key_files import private_key_file as private_key_file
 
 HOST = "127.0.0.1"
+
+log = logging.getLogger(__name__)
+"""One INFO line per server when it is ready and when it has stopped, with the seconds each took."""
 
 # `--enforce-eager` with PP > 1 fails on CPU (`assert self.intermediate_tensors is not None`); tracing with
 # the eager backend works. Used for every PP > 1 server unless the caller passes its own `compilation`.
@@ -177,6 +181,7 @@ class VllmServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
+        self.stopped_in_s: float | None = None
         self._stopped = False
 
     @property
@@ -316,6 +321,7 @@ class VllmServer:
                 raise self._fail(f"process exited with code {code} before it was ready")
             if self.is_healthy():
                 self.ready_after_s = time.monotonic() - self.started_at
+                log.info("%s ready after %.1f s (%s)", self.name, self.ready_after_s, self.log_path)
                 return self.ready_after_s
             now = time.monotonic()
             if now - self.started_at > timeout:
@@ -349,6 +355,7 @@ class VllmServer:
         if self._stopped:
             return proc.returncode
         self._stopped = True
+        began = time.monotonic()
         pgid = proc.pid  # start_new_session=True: the server leads its own process group
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -360,9 +367,12 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
         try:
-            return proc.wait(timeout=10)
+            code: int | None = proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            return None
+            code = None
+        self.stopped_in_s = time.monotonic() - began
+        log.info("%s stopped in %.1f s (exit code %s)", self.name, self.stopped_in_s, code)
+        return code
 
     def __enter__(self) -> VllmServer:
         if self.process is None:
@@ -372,7 +382,11 @@ class VllmServer:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.stop()
         if exc_type is not None:  # the caller failed: its report (pytest shows stderr) should say what the server saw
-            print(f"--- {self.name} ({self.url}) log tail, {self.log_path} ---\n{self.log_tail(60)}", file=sys.stderr)
+            self.print_log_tail()
+
+    def print_log_tail(self, lines: int = 60) -> None:
+        """Print the last `lines` of the server's log to stderr, under a header naming the server."""
+        print(f"--- {self.name} ({self.url}) log tail, {self.log_path} ---\n{self.log_tail(lines)}", file=sys.stderr)
 
     def __repr__(self) -> str:
         pid = self.process.pid if self.process else None
@@ -382,15 +396,34 @@ class VllmServer:
 @contextlib.contextmanager
 def running(servers: Sequence[VllmServer], timeout: float = 600.0) -> Iterator[Sequence[VllmServer]]:
     """Start every server, wait until all are ready (in parallel: each takes about half a minute), and stop them
-    all on the way out, also on failure (each then prints its log tail, as `VllmServer.__exit__` does)."""
+    all on the way out, side by side, also on failure (each then prints its log tail, as `VllmServer.__exit__`
+    does)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with contextlib.ExitStack() as stack:
+    failed = True
+    try:
         for server in servers:
-            stack.enter_context(server)
+            if server.process is None:
+                server.start()
         with ThreadPoolExecutor(max(1, len(servers))) as pool:
             list(pool.map(lambda server: server.wait_ready(timeout), servers))
         yield servers
+        failed = False
+    finally:
+        stop_all(servers)
+        if failed:  # the caller failed: its report (pytest shows stderr) should say what each server saw
+            for server in servers:
+                if server.process is not None:
+                    server.print_log_tail()
+
+
+def stop_all(servers: Sequence[VllmServer]) -> None:
+    """Stop the servers side by side: each waits up to its grace period for its process tree to end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if servers:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda server: server.stop(), servers))
 
 
 def _wait_until(done: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
