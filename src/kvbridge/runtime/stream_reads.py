@@ -121,6 +121,7 @@ class StreamReads:
         self.parts = 0
 
     def start(self) -> StreamReads:
+        host_copy.warm()  # not inside the first scatter, while a load's other connections wait
         self._pool = ThreadPoolExecutor(
             self.config.kv_stream_threads, thread_name_prefix="kvbridge-stream", initializer=unpin_this_thread
         )
