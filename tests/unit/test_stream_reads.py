@@ -1,6 +1,7 @@
 """The decode side of kvbridge's KV channel (`runtime.stream_reads`) against a real `KvStreamServer` on loopback, no
-NIXL: loads arrive exact over several connections and reuse them, a refused read fails its load naming why, and a
-server that stops mid-part fails the load only once none of its connections can still scatter."""
+NIXL: loads arrive exact over several connections and reuse them, a refused read fails its load naming why, a
+server that stops mid-part fails the load only once none of its connections can still scatter, and one that goes
+silent mid-load fails it after `kv_stream_stall_s` while a slow but live one still loads."""
 
 from __future__ import annotations
 
@@ -69,6 +70,12 @@ class Reader:
         self.event.set()
 
     def load(self, request_id: str, src: list[int], dst: list[int], timeout_s: float = 10.0) -> str:
+        self.launch(request_id, src, dst)
+        assert self.event.wait(timeout_s)
+        return self.done[request_id]
+
+    def launch(self, request_id: str, src: list[int], dst: list[int], deadline_s: float = 20.0) -> None:
+        """Start a load whose deadline is `deadline_s` away; `event` is set when it is reported."""
         source = PrefillDone(
             remote_engine_id="p",
             remote_request_id=request_id,
@@ -80,9 +87,8 @@ class Reader:
         )
         now = time.monotonic()
         self.event.clear()
-        self.reads.launch(Load(LoadJob(request_id, source, (tuple(dst),), (tuple(src),)), now, now + 20, self.engine))
-        assert self.event.wait(timeout_s)
-        return self.done[request_id]
+        job = LoadJob(request_id, source, (tuple(dst),), (tuple(src),))
+        self.reads.launch(Load(job, now, now + deadline_s, self.engine))
 
 
 @pytest.fixture
@@ -159,6 +165,106 @@ def test_a_server_that_stops_mid_part_fails_the_load_after_its_last_scatter():
         assert np.array_equal(reader.dst.buf, after), "a block was written after the load was reported failed"
     finally:
         gate.set()
+        reader.reads.close()
+        server.close()
+
+
+class SilentAfter:
+    """A server whose claim check (`still`, before every chunk) blocks on `gate` from its `after`-th call on: it
+    sends nothing more while its connections stay open, as a prefill whose host was stopped mid-transfer."""
+
+    def __init__(self, after: int) -> None:
+        self.src = Side(5)
+        self.after = after
+        self.gate = threading.Event()
+        self.calls = 0
+        self.silent_at = 0.0
+        self.server = KvStreamServer(self.src.memory, stream_key(KEY), lambda r: 1e18, still=self._still).start()
+
+    def _still(self, request) -> bool:
+        self.calls += 1
+        if self.calls >= self.after:
+            if not self.silent_at:
+                self.silent_at = time.monotonic()
+            self.gate.wait(30)
+        return True
+
+    def close(self) -> None:
+        self.gate.set()
+        self.server.close()
+
+
+@pytest.mark.parametrize("stall_s", [0.5, 30.0])
+def test_a_server_silent_mid_load_fails_it_after_kv_stream_stall_s(stall_s):
+    """A server that stops sending after two chunks: with kv_stream_stall_s 0.5 the load fails within the stall
+    bound plus a margin, far from its 20 s deadline, naming the stall; the blocks written so far are not reported
+    loaded and nothing is written after the report. The control (30 s): the same load is still waiting after twice
+    0.5 s, and once the server answers again it loads exact."""
+    silent = SilentAfter(after=3)
+    reader = Reader(silent.server.port, silent.src, kv_stream_connections=2, kv_stream_stall_s=stall_s)
+    blocks = list(range(100))
+    try:
+        reader.launch("r", blocks, blocks, deadline_s=20.0)
+        assert _wait(lambda: silent.silent_at, 10), "the server went silent"
+        if stall_s > 1:  # the control: no stall bound to speak of
+            assert not reader.event.wait(2 * 0.5), "still waiting"
+            assert reader.dst.buf.any(), "mid-load: some chunks arrived"
+            silent.gate.set()
+            assert reader.event.wait(10)
+            assert reader.done["r"] == ""
+            assert all(np.array_equal(reader.dst.block(b), silent.src.block(b)) for b in blocks)
+            return
+        assert reader.event.wait(10)
+        took = reader.reported_at - silent.silent_at
+        assert took < stall_s + 1.0, f"failed {took:.2f} s after the server went silent"
+        error = reader.done["r"]
+        assert f"no byte from 127.0.0.1:{silent.server.port} for 0.5 s (kv_stream_stall_s)" in error, error
+        assert reader.reads.parts == 0, "not reported loaded"
+        assert reader.dst.buf.any(), "mid-load: some chunks had arrived"
+        assert not all(np.array_equal(reader.dst.block(b), silent.src.block(b)) for b in blocks)
+        after = reader.dst.buf.copy()
+        silent.gate.set()  # the server sends again, into shut connections
+        time.sleep(0.5)
+        assert np.array_equal(reader.dst.buf, after), "a block was written after the load was reported failed"
+    finally:
+        silent.close()
+        reader.reads.close()
+
+
+def test_a_silent_server_still_fails_at_the_loads_deadline_when_that_comes_first():
+    """kv_stream_stall_s 30 and a deadline 1 s away: the load's deadline ends it, and the error says so."""
+    silent = SilentAfter(after=3)
+    reader = Reader(silent.server.port, silent.src, kv_stream_connections=1, kv_stream_stall_s=30.0)
+    try:
+        reader.launch("r", list(range(100)), list(range(100)), deadline_s=1.0)
+        assert reader.event.wait(10)
+        error = reader.done["r"]
+        assert "the load's deadline passed" in error and "kv_stream_stall_s" not in error, error
+        assert reader.reads.parts == 0
+    finally:
+        silent.close()
+        reader.reads.close()
+
+
+def test_a_slow_live_server_loads_exact_past_kv_stream_stall_s():
+    """kv_stream_stall_s bounds the wait for the next byte, not the load: a server that answers each chunk after
+    0.3 s (stall 1.0 s) takes longer than the stall bound in all and still loads exact."""
+    src = Side(5)
+
+    def still(request) -> bool:
+        time.sleep(0.3)
+        return True
+
+    server = KvStreamServer(src.memory, stream_key(KEY), lambda r: 1e18, still=still).start()
+    reader = Reader(server.port, src, kv_stream_connections=1, kv_stream_stall_s=1.0)
+    blocks = list(range(100))
+    try:
+        began = time.monotonic()
+        assert reader.load("r", blocks, blocks[::-1], timeout_s=20) == ""
+        assert reader.reported_at - began > 1.0, "the load outlasted the stall bound"
+        for s, d in zip(blocks, blocks[::-1], strict=True):
+            assert np.array_equal(reader.dst.block(d), src.block(s))
+    finally:
         reader.reads.close()
         server.close()
 

@@ -102,6 +102,14 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_stream_chunk_bytes: Annotated[int, msgspec.Meta(ge=1 << 16, le=1 << 26)] = 4 << 20
     """Decode side: bytes of KV per data frame (a run longer than this takes a frame of its own size)."""
 
+    kv_stream_stall_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 2.0
+    """Decode side: a KV channel read that receives no byte for this long fails its load (the connection is shut,
+    so nothing of it lands later), however much of transfer_timeout_s is left: a prefill whose host went silent
+    (SIGSTOP, host or link down) mid-transfer costs this, not the load's deadline. It bounds each wait for the next
+    byte, not the whole transfer: a slow but live prefill keeps its load going. It must exceed what a live prefill
+    takes under load to start answering a part (its claim check, one chunk's gather) or to send a chunk's next
+    bytes; 2 s by default, so that a silent prefill fails a load within the 3 s a silent host may cost."""
+
     kv_stream_max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 2048
     """Prefill side: KV channel connections one prefill worker keeps open. A decode worker keeps up to 16 idle
     ones per prefill worker between loads (closed after 60 s unused) plus kv_stream_connections per load in flight:

@@ -9,8 +9,8 @@ claim step), on this object's threads:
         StreamRead(first=i, step=n) -> chunks i, i+n, ... arrive as data frames, each opened into this
         connection's buffer and scattered into the KV blocks (`transport.host_copy`) before the next is read
     all done -> loaded(load): the decode worker reports it and tells every prefill worker (Notify)
-    any error -> the load's other connections are cut, and once none of its threads can still scatter
-    -> failed(load, error)
+    any error (also no byte for `kv_stream_stall_s`, a silent prefill) -> the load's other connections are cut,
+    and once none of its threads can still scatter -> failed(load, error)
 
 So no byte lands in a block after the load was reported. A connection is returned to the pool only after a whole
 part and its StreamEnd; a failed one is closed. Chunks are laid out as the staged NIXL path lays them out
@@ -121,6 +121,7 @@ class StreamReads:
         self.parts = 0
 
     def start(self) -> StreamReads:
+        host_copy.warm()  # not inside the first scatter, while a load's other connections wait
         self._pool = ThreadPoolExecutor(
             self.config.kv_stream_threads, thread_name_prefix="kvbridge-stream", initializer=unpin_this_thread
         )
@@ -272,13 +273,14 @@ class StreamReads:
                 return
             tracker.socks.add(conn.sock)
         done = False
+        stall = False  # whether the socket's timeout is the stall bound (else the load's deadline)
         try:
-            self._timeout(conn, load)
+            stall = self._timeout(conn, load)
             try:
                 conn.send(KIND_MESSAGE, 0, sm.encode(request))
                 header = conn.recv_header(max(s for _, _, s in chunks) or 1)
-            except (OSError, TransferError):
-                if not pooled:
+            except (OSError, TransferError) as exc:
+                if not pooled or isinstance(exc, TimeoutError):  # silent, not closed: a fresh one would wait too
                     raise
                 conn.close()  # a pooled connection the server closed meanwhile: one fresh try
                 with tracker.lock:
@@ -286,7 +288,7 @@ class StreamReads:
                 conn, _ = self._connection(part.address, load, pooled=False)
                 with tracker.lock:
                     tracker.socks.add(conn.sock)
-                self._timeout(conn, load)
+                stall = self._timeout(conn, load)
                 conn.send(KIND_MESSAGE, 0, sm.encode(request))
                 header = conn.recv_header(max(s for _, _, s in chunks) or 1)
             buffer = np.empty(max(s for _, _, s in chunks), dtype=np.uint8)
@@ -307,13 +309,20 @@ class StreamReads:
                 )
                 with self._lock:
                     self.bytes += size
-                self._timeout(conn, load)
+                stall = self._timeout(conn, load)
                 header = conn.recv_header(max(want, 1 << 20))
             kind, _, size = header
             end = self._end(conn, size) if kind == KIND_MESSAGE else None
             if end is None or end.error or end.chunks != len(chunks):
                 raise TransferError(f"bad end of part: {end}")
             done = True
+        except TimeoutError as exc:  # the socket's timeout: no byte within it
+            if not stall:
+                raise TransferTimeout("kv stream: the load's deadline passed") from exc
+            host, port = part.address
+            raise TransferTimeout(
+                f"no byte from {host}:{port} for {self.config.kv_stream_stall_s} s (kv_stream_stall_s)"
+            ) from exc
         finally:
             with tracker.lock:
                 tracker.socks.discard(conn.sock)
@@ -332,11 +341,15 @@ class StreamReads:
             raise TransferError(f"unexpected {type(end).__name__}")
         return end
 
-    def _timeout(self, conn: StreamConnection, load: Load) -> None:
+    def _timeout(self, conn: StreamConnection, load: Load) -> bool:
+        """Bound the connection's next waits: each receive (or send) fails after min(time left to the load's
+        deadline, kv_stream_stall_s) without a byte. Returns whether the stall bound is the shorter."""
         left = load.deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("kv stream: the load's deadline passed")
-        conn.sock.settimeout(left)
+        stall = self.config.kv_stream_stall_s
+        conn.sock.settimeout(min(left, stall))
+        return stall < left
 
     # -- connections ---------------------------------------------------------------------------------
 
@@ -354,11 +367,19 @@ class StreamReads:
         if left <= 0:
             raise TransferTimeout("kv stream: the load's deadline passed")
         timeout = min(left, self.config.handshake_timeout_s)
-        sock = socket.create_connection(address, timeout=timeout)
+        try:
+            sock = socket.create_connection(address, timeout=timeout)
+        except TimeoutError as exc:
+            raise TransferTimeout(f"no connection to {address[0]}:{address[1]} within {timeout:g} s") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(timeout)
             return client_handshake(sock, self.key, self.mode, self.key_id), False
+        except TimeoutError as exc:
+            sock.close()
+            raise TransferTimeout(
+                f"no handshake answer from {address[0]}:{address[1]} within {timeout:g} s (handshake_timeout_s)"
+            ) from exc
         except BaseException:
             sock.close()
             raise

@@ -167,6 +167,7 @@ class KvStreamServer:
         }
 
     def start(self) -> KvStreamServer:
+        host_copy.warm()  # not inside the first chunk: a reader would wait on the import
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -66,6 +66,13 @@ def gather(
     return copied
 
 
+def warm() -> None:
+    """Import what the copies use (torch, where installed) now rather than inside the first chunk's copy: the
+    import takes seconds on a loaded host, which a KV channel reader would take for a silent peer
+    (`kv_stream_stall_s`). Inside vLLM torch is loaded already."""
+    _torch()
+
+
 def _torch():
     try:
         import torch
