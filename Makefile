@@ -5,7 +5,7 @@
 #   make e2e    every end-to-end module (real vLLM servers, shared within the run where their configurations
 #               agree) but the long ones, and the other layout pairs of the NIXL checks (marker `matrix`)
 #   make e2e-long  the long end-to-end runs (marker `long`): the fault soak, 500 requests under load, PP=4 <-> TP=4,
-#               a link cut while a READ is in flight
+#               a link cut while a READ is in flight, MLA against vLLM's NixlConnector
 # .ci/run runs `make test` then `make e2e`; `make e2e-long` is run by hand (CONTRIBUTING.md).
 
 PYTHON ?= python3
