@@ -141,8 +141,8 @@ def test_after_the_attacks_the_victim_lives_and_a_key_holder_loads_the_request_e
 def test_negative_control_the_same_clients_with_the_key_are_answered(routes):
     """The routes were reachable and the oracles see an answer: sealed with the key, the handshake gets the
     victim's reply and the claim with a guessed token its refusal; over the KV channel the handshake passes and the
-    forged read (no granted claim) gets the server's refusal. The oracle of KV bytes finds them in the key holder's
-    kind of read."""
+    forged read (no granted claim) gets the server's refusal. The oracle of KV bytes is not constant false: it
+    fires on the held bytes and the secret themselves."""
     side = routes["side-channel with the key"]
     assert side["handshake, sealed with the key"] == {"answered": True, "answer": "HandshakeReply"}, side
     assert side["claim, sealed with the key"] == {"answered": True, "answer": "ErrorReply"}, side

@@ -32,3 +32,10 @@ def test_kv_both_needs_a_lease_longer_than_the_transfer_timeout():
         BridgeConfig(lease_s=20, transfer_timeout_s=20).check_role(producer=True, consumer=True)
     BridgeConfig(lease_s=20, transfer_timeout_s=20).check_role(producer=True, consumer=False)  # a prefill only
     BridgeConfig().check_role(producer=True, consumer=True)  # the defaults agree
+
+
+def test_the_keyless_flags_old_name_is_refused_naming_the_new_one():
+    with pytest.raises(ConfigError, match="keyless_exposes_kv_to_local_processes"):
+        BridgeConfig.from_extra({"insecure_no_auth": True})
+    config = BridgeConfig.from_extra({"keyless_exposes_kv_to_local_processes": True})
+    assert config.keyless_exposes_kv_to_local_processes

@@ -358,6 +358,11 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> BridgeConfig:
+        if extra and "insecure_no_auth" in extra:
+            raise ConfigError(
+                "kv_connector_extra_config: insecure_no_auth is now keyless_exposes_kv_to_local_processes "
+                "(docs/security.md, Keyless mode)"
+            )
         try:
             return msgspec.convert(dict(extra or {}), cls)
         except msgspec.ValidationError as exc:

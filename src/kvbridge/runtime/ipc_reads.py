@@ -12,7 +12,9 @@ queued must finish before the engine can reuse the blocks.
 A load's kernels may go out while its claim is still on the wire (`launch(load, claim_open=True)`): a read only
 reads, and the prefill worker held the request's blocks from before its params left it. Such a load is reported
 once both are done (`claim_done`): loaded if the claim was granted, failed (its kernels finished: nothing writes
-its blocks any more) if it was refused.
+its blocks any more) if it was refused. The price: a load whose claim then finds its prefill gone or restarted
+has read through that process's old mapping (what CUDA does on a read of a dead exporter's memory is not
+specified; the mapping is kept open until the engine is reaped). No GPU test kills a prefill under a launch.
 """
 
 from __future__ import annotations

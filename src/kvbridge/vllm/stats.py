@@ -137,7 +137,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     vllm:kvbridge_failures_total, vllm:kvbridge_expired_leases_total, vllm:kvbridge_claim_retries_total,
     vllm:kvbridge_transfer_seconds (a load's KV hop: claim sent -> data landed),
     vllm:kvbridge_load_phase_seconds{phase} (decode: handshake, claim, queue, post, wire, report, hop, total; a
-    CUDA IPC load also checks, overlapping claim, and post_launch) and
+    CUDA IPC load also checks and post_launch, parts of post) and
     vllm:kvbridge_hold_phase_seconds{phase} (prefill: hold, claim, release).
     """
 
@@ -172,7 +172,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             "granted), queue (-> taken by its path), post (-> READs posted or kernels queued: the host's work; with "
             "CMA the copy itself), wire (-> data landed), report (-> handed to vLLM); hop (claim sent -> data "
             "landed), total (queued -> handed to vLLM); a CUDA IPC load also checks (its block ids checked, "
-            "while its claim is on the wire: it overlaps claim) and post_launch (the post after the checks).",
+            "in its post) and post_launch (the post after the checks); a CUDA IPC load launched while its claim "
+            "was on the wire counts as claim only what the claim took beyond its kernels.",
             buckets=BUCKETS,
             labelnames=[*labelnames, "phase"],
         )
