@@ -41,7 +41,9 @@ def server(model, host, role: str, pp: int, cores: str, log) -> VllmServer:
         key.write_bytes(b"cross-host-test-key-0123456789abcdef")
     extra = {**connector_on(host), "lease_s": LEASE_S, "auth_key_file": str(key)}
     if role == "kv_consumer":
-        extra.update(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0)
+        # dead_engine_s 2: a prefill found unreachable is known dead for 2 s, not 10, so that the request after
+        # the link came back (seconds later) probes it again instead of failing at once
+        extra.update(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0, dead_engine_s=2.0)
     return VllmServer(
         model,
         port=8000,

@@ -337,7 +337,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
