@@ -297,10 +297,11 @@ class DecodeWorker:
         except Exception as exc:
             if not isinstance(exc, KVBridgeError):
                 logger.exception("kvbridge decode %s: claim step failed", self.identity)
+            error = str(exc) or type(exc).__name__
             if load.claim_open:  # its kernels run: it fails once they are done
-                self.ipc.claim_done(load, str(exc) or type(exc).__name__)
+                self.ipc.claim_done(load, error)
             else:
-                self._fail(load, str(exc) or type(exc).__name__)
+                self._fail(load, error)
             return
         if load.claim_open:
             self.ipc.claim_done(load)  # granted: reported now, or when its kernels finish
