@@ -6,6 +6,8 @@ The clock is the worker's own (passed in), so expiry needs no sleeping.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -54,6 +56,27 @@ def prefill():
     finally:
         client.close()
         worker.close()
+
+
+def finished_within(worker: PrefillWorker, ids: set[str], within_s: float) -> tuple[set[str], int]:
+    """What `finished` reports until `ids` are in it or `within_s` passed: a call made while the worker's own
+    thread is making progress (with the clock read before the test moved it) reports nothing new."""
+    got, expired = set(), 0
+    deadline = time.monotonic() + within_s
+    while not ids <= got and time.monotonic() < deadline:
+        new, n = worker.finished(0.05)
+        got, expired = got | new, expired + n
+    return got, expired
+
+
+def slots_back(worker: PrefillWorker, within_s: float) -> bool:
+    """Whether every staging session ended and every slot came back within `within_s` of rounds of progress (a
+    slot comes back once the gather that filled it is done)."""
+    stager = worker.stager
+    deadline = time.monotonic() + within_s
+    while (stager.sessions or stager.free_slots < stager.num_slots) and time.monotonic() < deadline:
+        worker.finished(0.05)
+    return stager.sessions == 0 and stager.free_slots == stager.num_slots
 
 
 def ask(client, worker, message):
@@ -115,8 +138,7 @@ def test_abort_gives_the_slots_back(prefill):
     assert isinstance(
         ask(client, worker, wire.Abort(request_id="r", engine_id="d", worker=wire.Worker(), token="t")), wire.Ack
     )
-    worker.finished()  # a round of progress (the background thread may have made it already)
-    assert stager.sessions == 0 and stager.free_slots == stager.num_slots
+    assert slots_back(worker, 5.0)
 
 
 def test_the_claims_expiry_gives_the_slots_back(prefill):
@@ -128,8 +150,8 @@ def test_the_claims_expiry_gives_the_slots_back(prefill):
     worker.finished()
     assert stager.sessions == 1  # still pinned
     clock.now += 1.0 + 5.0 + 0.1  # the pin (read_s, at least 1 s) plus READ_MARGIN_S
-    ids, expired = worker.finished()
+    ids, expired = finished_within(worker, {"r"}, 5.0)
     assert ids == {"r"} and expired == 1
-    assert stager.sessions == 0 and stager.free_slots == stager.num_slots
+    assert slots_back(worker, 5.0)
     late = ask(client, worker, stage(memory, "r"))  # nothing is gathered for an expired request
     assert isinstance(late, wire.ErrorReply), late
