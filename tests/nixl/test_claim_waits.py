@@ -188,10 +188,11 @@ def test_a_claim_of_a_freed_request_is_refused_at_once(how):
         ask(worker, claim("r", wait_s=2.0), out).join(5)
         answer, took = out[0]
         assert isinstance(answer, wire.ErrorReply) and answer.reason is wire.Refusal.NOT_HELD
+        assert answer.final  # the reader stops asking: no claim window brings a freed request back
         assert took < 0.2  # not the claim's 2 s wait
         guess: list = []
         ask(worker, claim("r", token="guess", wait_s=0.3), guess).join(5)
-        assert guess[0][0].reason is wire.Refusal.NOT_HELD
+        assert guess[0][0].reason is wire.Refusal.NOT_HELD and not guess[0][0].final
         assert guess[0][1] > 0.25  # without the token: as a request never held, nothing said of this one
         control: list = []
         thread = ask(worker, claim("s", wait_s=2.0), control)

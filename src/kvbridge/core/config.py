@@ -257,11 +257,12 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     it fail at once for this long instead of each waiting out the deadlines; the first load after that connects
     again (0: every load tries again)."""
 
-    claim_window_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 2.0
+    claim_window_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 10.0
     """How long a claim of a request not held yet may wait for its hold (the prefill side learns of a hold one
-    engine step after the client got its kv_transfer_params): the prefill worker keeps such a claim and answers
-    it when the hold comes (or as not held once this passed); the decode side retries a claim refused at once
-    as not held for as long. Never past the load's deadline."""
+    engine step after the client got its kv_transfer_params, and a busy prefill engine's step can take seconds):
+    the prefill worker keeps such a claim and answers it when the hold comes (or as not held once this passed); the
+    decode side retries a claim refused at once as not held for as long. Never past the load's deadline. A prefill
+    whose process is gone or silent ends the wait sooner (handshake_timeout_s)."""
 
     max_waiting_claims: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 1024
     """Prefill side: claims of requests not held yet kept waiting for their holds at once (each costs an entry

@@ -121,7 +121,7 @@ def claim_reads(
                     return rank
                 continue
             text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
-            if not isinstance(answer, wire.ErrorReply) or answer.reason is not wire.Refusal.NOT_HELD:
+            if not isinstance(answer, wire.ErrorReply) or answer.reason is not wire.Refusal.NOT_HELD or answer.final:
                 raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")  # final
             refused.append((rank, text))
         if refused and time.monotonic() >= window:

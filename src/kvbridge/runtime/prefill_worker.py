@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvbridge.core.config import BridgeConfig, is_loopback, rdma_device
 from kvbridge.core.errors import ConfigError, ProtocolError, TransferError
 from kvbridge.core.identity import WorkerIdentity
@@ -241,7 +243,14 @@ class PrefillWorker:
                     if later is not None:
                         self._wake.set()  # the progress thread answers it once its wait passed
                         return later
-                    return self._claim(message, now)
+                    answer = self._claim(message, now)
+                    if (
+                        isinstance(answer, wire.ErrorReply)
+                        and answer.reason is wire.Refusal.NOT_HELD
+                        and self._leases.freed(message.request_id, message.token)
+                    ):  # its token's holder may know: the request is gone here, no claim window will change that
+                        answer = msgspec.structs.replace(answer, final=True)
+                    return answer
             case wire.Notify():
                 # Readers that copied through CUDA IPC made no NIXL transfer to carry their notification.
                 with self._lock:

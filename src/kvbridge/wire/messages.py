@@ -208,6 +208,10 @@ class ErrorReply(_Message, tag="error", kw_only=True):
 
     message: str
     reason: Refusal | None = None
+    final: bool = False
+    """A `not_held` claim refusal that asking again cannot change: the request was held here with the claim's token
+    and is freed (read, aborted or expired). An older peer never says it (the reader then retries within its
+    claim window)."""
 
 
 Message = (
