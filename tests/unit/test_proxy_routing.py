@@ -12,7 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.serving.proxy import Balancer, ProxyConfig
-from kvbridge.serving.proxy.costs import PREFILL_TIME, SOURCE, TRANSFER_COUNT, TRANSFER_SUM, TRANSFERS, CostLearner
+from kvbridge.serving.proxy.costs import (
+    PREFILL_TIME,
+    SERIES,
+    SOURCE,
+    TRANSFER_COUNT,
+    TRANSFER_SUM,
+    TRANSFERS,
+    CostLearner,
+)
 from kvbridge.serving.proxy.prefix_index import PrefixIndex, prompt_blocks
 from kvbridge.serving.proxy.router import Router
 from support.proxy import BODY, FakeBackend, prompt_key, proxy_for, running
@@ -31,6 +39,7 @@ def test_block_keys_name_the_whole_prefix_and_the_salt():
     assert keys([*range(8), 99, 98, 97, 96])[:2] == a  # same first two blocks, then its own
     assert keys([9, *range(1, 10)])[1] != a[1]  # block 1 is the same tokens, its prefix is not
     assert keys(list(range(10)), salt="s") != a
+    assert len(keys([2**64, *range(9)])) == 2  # an id beyond 64 bits is keyed by its text
     text = prompt_blocks({"prompt": "x" * 70}, False, 4)
     assert (len(text.keys), text.tokens) == (4, 18)  # 16 characters a block, 4 a token
     turn1 = [{"role": "user", "content": "hello " * 20}]
@@ -196,10 +205,13 @@ def test_costs_are_read_from_prometheus_text():
             f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="m"}} 3.0\n'
         )
 
-    learner = CostLearner()
-    learner.prefill_read("p", parse_samples(text(10, 0.5)))
-    learner.prefill_read("p", parse_samples(text(2010, 0.75)))
-    assert learner.costs.prefill_tokens_per_s == pytest.approx(8000)
+    for names in (None, SERIES):  # every series, and only those the costs read
+        learner = CostLearner()
+        learner.prefill_read("p", parse_samples(text(10, 0.5), names))
+        learner.prefill_read("p", parse_samples(text(2010, 0.75), names))
+        assert learner.costs.prefill_tokens_per_s == pytest.approx(8000)
+    picked = parse_samples(text(10, 0.5), SERIES)
+    assert sorted(name for name, _, _ in picked) == sorted([PREFILL_TIME, SOURCE, SOURCE])  # no bucket, no count
 
 
 def test_a_fixed_threshold_wins_over_the_learned_one_and_the_initial_one_stands_in():

@@ -39,6 +39,8 @@ PREFILL_TIME = "vllm:request_prefill_time_seconds_sum"
 TRANSFER_SUM = "vllm:kvbridge_transfer_seconds_sum"
 TRANSFER_COUNT = "vllm:kvbridge_transfer_seconds_count"
 TRANSFERS = "vllm:kvbridge_transfers_total"
+SERIES = (SOURCE, PREFILL_TIME, TRANSFER_SUM, TRANSFER_COUNT, TRANSFERS)
+"""The series the costs are read from."""
 MIN_TOKENS = 64
 """Fewer new tokens between two reads than this teach nothing (noise)."""
 
