@@ -156,6 +156,60 @@ def test_selective_goes_direct_below_the_threshold_and_says_why():
     assert (logprobs.path, logprobs.reason) == ("direct", "prompt_logprobs")
 
 
+def learned(r: Router, rate: float = 1e4, transfer: float | None = 0.0, hop: float | None = 0.0) -> Router:
+    costs = r.learner.costs
+    costs.prefill_tokens_per_s, costs.transfer_s_per_token, costs.hop_s = rate, transfer, hop
+    return r
+
+
+def test_an_idle_decode_computes_what_the_prefill_would_compute_as_much_of():
+    """A decode instance running nothing serves a prompt itself when the prefill instance holds no more of it: the
+    prefill would compute as many tokens and add the hop and the transfer. Whatever the costs, known or not."""
+    for r in (router(disaggregation="selective"), learned(router(disaggregation="selective"), hop=1e-6)):
+        first = r.route({"prompt": list(range(400))}, False, now=0)
+        assert (first.path, first.reason, first.new_tokens, first.prefill_new) == ("direct", "decode_idle", 400, 400)
+        assert "reason=decode_idle" in first.line() and "prefill_new=400" in first.line()
+    # the control: the same prompt on a busy decode instance is decided by the threshold (initial: 256)
+    r = router(disaggregation="selective", decode=1)
+    r.route({"prompt": [7] * 40}, False, now=0)  # not released: the decode instance runs it
+    busy = r.route({"prompt": list(range(400))}, False, now=1)
+    assert (busy.path, busy.reason, busy.threshold) == ("disaggregated", "at_or_above_threshold", 256)
+    # and a fixed threshold is the operator's: no idle rule
+    fixed = router(disaggregation="selective", direct_below_tokens=16).route({"prompt": list(range(400))}, False, 0)
+    assert (fixed.path, fixed.reason) == ("disaggregated", "at_or_above_threshold")
+
+
+def test_the_prefill_instances_missing_prefix_counts_against_disaggregating():
+    """A conversation held by its decode instance and not by the prefill instance: disaggregating its next turn
+    would recompute the whole conversation on the prefill instance, so the turn goes straight to the decode; the
+    same turn is disaggregated when the prefill instance holds the conversation too."""
+
+    def busy_turn(prefill_holds: bool) -> Router:
+        r = learned(router(disaggregation="selective", decode=1), hop=0.005)
+        if prefill_holds:
+            r.indexes[r.balancer.backends("prefill")[0]].add(keys(list(range(400))), 0)
+        r.indexes[r.balancer.backends("decode")[0]].add(keys(list(range(400))), 0)
+        r.route({"prompt": [7] * 40}, False, now=1)  # the decode instance runs another request
+        return r
+
+    # running 1: direct costs 2 * new / rate; disaggregated 5 ms + (the prefill's missing tokens) / rate
+    lacking = busy_turn(prefill_holds=False).route({"prompt": list(range(560))}, False, now=2)
+    assert (lacking.new_tokens, lacking.prefill_new) == (160, 560)
+    assert lacking.threshold == pytest.approx((0.005 + 560 / 1e4) / (2 / 1e4))  # 305 tokens
+    assert (lacking.path, lacking.reason) == ("direct", "below_threshold")
+    holding = busy_turn(prefill_holds=True).route({"prompt": list(range(560))}, False, now=2)
+    assert (holding.new_tokens, holding.prefill_new) == (160, 160)
+    assert holding.threshold == pytest.approx((0.005 + 160 / 1e4) / (2 / 1e4))  # 105 tokens
+    assert (holding.path, holding.reason) == ("disaggregated", "at_or_above_threshold")
+
+
+def test_a_cost_not_measured_yet_counts_as_none_once_the_prefill_rate_is_known():
+    r = learned(router(disaggregation="selective", direct_initial_tokens=7), transfer=None, hop=None)
+    assert r.threshold(1, 1000) == pytest.approx(1000 / 2)  # the prefill's 0.1 s against twice new / rate
+    r.learner.costs.prefill_tokens_per_s = None
+    assert r.threshold(1, 1000) == 7  # the rate unknown: the initial threshold
+
+
 def samples(**values: float) -> list:
     names = {
         "computed": (SOURCE, {"source": "local_compute"}),
@@ -182,6 +236,7 @@ def test_the_threshold_is_learned_from_metrics_and_the_hop():
     assert costs.hop_s == pytest.approx(0.05)
     assert costs.threshold(0) == pytest.approx(0.05 / (1e-4 - 2e-5))  # 625 tokens
     assert costs.threshold(3) == pytest.approx(0.05 / (4e-4 - 2e-5))  # a busy decode computes less itself
+    assert costs.threshold(0, 1000) == pytest.approx((0.05 + 0.1) / (1e-4 - 2e-5))  # the prefill computes 1000
     learner.decode_read("d", samples(loaded=10, transfer_s=0, loads=0, transfers=0))  # a restart: no measurement
     assert costs.transfer_s_per_token == pytest.approx(20e-6)
     slow = CostLearner()

@@ -1,16 +1,18 @@
 """When a request is cheaper served by its decode instance alone: the costs the proxy measures, and the threshold
 they give (pure: samples in, numbers out).
 
-Disaggregating a request whose decode instance would compute `new` tokens itself costs that request a prefill hop
-(`hop_s`: the prefill leg's time beyond its compute, and the decode's load set-up) plus the transfer of those
-tokens (`new * transfer_s_per_token`); it spares the decode instance `new / prefill_tokens_per_s` seconds of
-compute, during which every request it is running waits. So a request goes straight to the decode instance when
+Served by its decode instance, a request whose decode instance would compute `new` tokens itself takes
+`new / rate` seconds of that instance's compute (`rate`: prefill tokens per second), during which every request it
+is running waits too. Disaggregated, it takes the prefill instance's compute of what that instance lacks
+(`prefill_new` tokens: the prompt less the prefix the prefill instance likely holds), the hop (`hop_s`: time to the
+first token beyond compute and transfer, over the direct path's) and the transfer of the decode's `new` tokens
+(`transfer_s_per_token` each). So a request goes straight to the decode instance when
 
-    new / prefill_tokens_per_s * (1 + running)  <  hop_s + new * transfer_s_per_token
+    new / rate * (1 + running)  <  hop_s + prefill_new / rate + new * transfer_s_per_token
 
 that is, when `new` is below
 
-    threshold = hop_s / ((1 + running) / prefill_tokens_per_s - transfer_s_per_token)
+    threshold = (hop_s + prefill_new / rate) / ((1 + running) / rate - transfer_s_per_token)
 
 (no limit when the transfer is not cheaper than computing). `running`: the decode instance's requests in flight.
 
@@ -24,7 +26,9 @@ Where the numbers come from:
   disaggregated path's less the direct one's (queues at the prefill instance, the KV's wait at the decode; the
   direct one's counts as none until seen); until then, the prefill legs' duration beyond their compute.
 The first read of a server counts everything since it started; then the difference between two reads.
-Each is a moving average (`ALPHA`); until all three are known the threshold is the configured initial one.
+Each is a moving average (`ALPHA`). Until the prefill throughput is known the threshold is the configured initial
+one; a transfer time or a hop not measured yet counts as 0, a lower bound of what disaggregating costs, so that an
+unmeasured cost never keeps a request from its prefill instance (whose requests then measure it).
 """
 
 from __future__ import annotations
@@ -55,19 +59,17 @@ class Costs:
     transfer_s_per_token: float | None = None
     hop_s: float | None = None
 
-    @property
-    def known(self) -> bool:
-        return None not in (self.prefill_tokens_per_s, self.transfer_s_per_token, self.hop_s)
-
-    def threshold(self, running: int) -> float | None:
-        """New tokens below which the decode instance computes a request itself; inf: always; None: unknown."""
-        if not self.known:
+    def threshold(self, running: int, prefill_new: int = 0) -> float | None:
+        """New tokens below which the decode instance, running `running` requests, computes a request itself
+        rather than a prefill instance computing `prefill_new` tokens of it (0: the prefill instance holds the
+        whole prompt). inf: always; None: the prefill throughput is not known yet."""
+        rate = self.prefill_tokens_per_s
+        if not rate:
             return None
-        assert self.prefill_tokens_per_s and self.transfer_s_per_token is not None and self.hop_s is not None
-        saved_per_token = (1 + running) / self.prefill_tokens_per_s - self.transfer_s_per_token
+        saved_per_token = (1 + running) / rate - (self.transfer_s_per_token or 0.0)
         if saved_per_token <= 0:
             return float("inf")
-        return self.hop_s / saved_per_token
+        return ((self.hop_s or 0.0) + prefill_new / rate) / saved_per_token
 
     def describe(self) -> str:
         def show(value: float | None, scale: float, unit: str, digits: int) -> str:
