@@ -80,9 +80,11 @@ class Result:
     prompt_tokens: int
     new_tokens: int
     sent_s: float
-    ttft_s: float
+    ttft_s: float | None
+    """None: the request failed."""
     itl_s: float | None
     output: list[int] = field(default_factory=list)
+    error: str | None = None
 
 
 def trace(args: argparse.Namespace) -> list[Turn]:
@@ -129,20 +131,30 @@ async def replay(url: str, turns: list[Turn], args: argparse.Namespace, salt: st
             sent = time.monotonic()
             stamps: list[float] = []
             out: list[int] = []
+            error = None
             async with client.stream("POST", url + "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
-                    raise RuntimeError(f"{url}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                        continue
-                    for choice in json.loads(line[5:]).get("choices", ()):
-                        ids = choice.get("token_ids") or []
-                        if ids:
-                            stamps.append(time.monotonic())
-                            out.extend(ids)
-            ttft = stamps[0] - sent
+                    error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                else:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                            continue
+                        event = json.loads(line[5:])
+                        if "error" in event:
+                            error = str(event["error"])[:300]
+                        for choice in event.get("choices", ()):
+                            ids = choice.get("token_ids") or []
+                            if ids:
+                                stamps.append(time.monotonic())
+                                out.extend(ids)
+            if error is None and len(out) != args.max_tokens:
+                error = f"{len(out)} tokens of {args.max_tokens}"
+            if error is not None:  # counted, and its conversation goes on without the reply
+                print(f"{url}: user {t.user} turn {t.turn} failed: {error}", flush=True)
+                out = []
+            ttft = stamps[0] - sent if stamps and error is None else None
             itl = (stamps[-1] - stamps[0]) / (len(out) - 1) if len(out) > 1 else None
-            results.append(Result(t.user, t.turn, len(prompt), len(t.new), sent - start, ttft, itl, out))
+            results.append(Result(t.user, t.turn, len(prompt), len(t.new), sent - start, ttft, itl, out, error))
             history[t.user] = [*prompt, *out]
             done[(t.user, t.turn)].set()
 
@@ -228,11 +240,13 @@ def run_arm(name: str, url: str, turns: list[Turn], args: argparse.Namespace, se
     results, makespan = asyncio.run(replay(url, turns, args, salt=f"{name}-{args.seed}-{args.rate_now}"))
     time.sleep(1.0)  # the servers' metrics of the last requests
     after = token_sources(servers)
-    ttft = [r.ttft_s * 1000 for r in results]
+    ok = [r for r in results if r.ttft_s is not None]
+    ttft = [r.ttft_s * 1000 for r in ok]
     itl = [r.itl_s * 1000 for r in results if r.itl_s is not None]
     row = {
         "arm": name,
         "requests": len(results),
+        "failed": [f"user {r.user} turn {r.turn}: {r.error}" for r in results if r.error is not None],
         "ttft_ms": {q: round(pct(ttft, v), 1) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
         "itl_ms": {"mean": round(statistics.fmean(itl), 2), "p90": round(pct(itl, 0.9), 2)},
         "requests_per_s": round(len(results) / makespan, 3),
@@ -245,20 +259,20 @@ def run_arm(name: str, url: str, turns: list[Turn], args: argparse.Namespace, se
                 "prompt": r.prompt_tokens,
                 "new": r.new_tokens,
                 "sent_s": round(r.sent_s, 3),
-                "ttft_ms": round(r.ttft_s * 1000, 1),
+                "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1000, 1),
             }
             for r in results
         ],
     }
     row["ttft_median_ms_by_kind"] = {
-        kind: round(statistics.median(r.ttft_s * 1000 for r in results if turn_kind(r, args) == kind), 1)
+        kind: round(statistics.median(r.ttft_s * 1000 for r in ok if turn_kind(r, args) == kind), 1)
         for kind in KINDS
-        if any(turn_kind(r, args) == kind for r in results)
+        if any(turn_kind(r, args) == kind for r in ok)
     }
     row["_outputs"] = {(r.user, r.turn): r.output for r in results}
     print(
         f"{name}: TTFT ms {row['ttft_ms']}, ITL ms {row['itl_ms']}, {row['requests_per_s']} req/s, "
-        f"tokens {row['prompt_tokens']}",
+        f"tokens {row['prompt_tokens']}, {len(row['failed'])} failed",
         flush=True,
     )
     return row
@@ -280,9 +294,13 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['arm']} | {t['p50']} | {t['p90']} | {t['p99']} | {r['itl_ms']['mean']} | {r['requests_per_s']} | "
             f"{p['local_compute']} | {p['external_kv_transfer']} | {p['local_cache_hit']} | "
-            f"{r['outputs_equal_aggregated']}/{r['requests']} | {decisions} |"
+            f"{r['outputs_equal_aggregated']}/{r['requests']}{failed(r)} | {decisions} |"
         )
     return "\n".join(lines)
+
+
+def failed(row: dict) -> str:
+    return f" ({len(row['failed'])} failed)" if row.get("failed") else ""
 
 
 def plot(runs: list[dict], path: Path) -> str | None:
@@ -296,7 +314,8 @@ def plot(runs: list[dict], path: Path) -> str | None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 3.5 * len(runs)), squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         for r in run["arms"]:
-            xs, ys = [x["sent_s"] for x in r["trace"]], [x["ttft_ms"] for x in r["trace"]]
+            done = [x for x in r["trace"] if x["ttft_ms"] is not None]
+            xs, ys = [x["sent_s"] for x in done], [x["ttft_ms"] for x in done]
             ax.plot(xs, ys, ".-", label=f"{r['arm']} (p50 {r['ttft_ms']['p50']:g} ms)", lw=0.8)
         ax.set_title(f"TTFT of each request over the trace, {run['rate']:g} requests/s")
         ax.set_xlabel("request sent (s into the trace)")
@@ -434,7 +453,7 @@ def summarize(rate: float, rows: list[dict]) -> dict:
     reference = rows[0]["_outputs"]
     for r in rows:
         outputs = r.pop("_outputs")
-        r["outputs_equal_aggregated"] = sum(outputs[k] == reference[k] for k in reference)
+        r["outputs_equal_aggregated"] = sum(bool(outputs[k]) and outputs[k] == reference[k] for k in reference)
     by_arm = {r["arm"]: r for r in rows}
     out: dict = {"rate": rate}
     kvb = by_arm.get("kvbridge")
