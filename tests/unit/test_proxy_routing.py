@@ -23,7 +23,7 @@ from kvbridge.serving.proxy.costs import (
 )
 from kvbridge.serving.proxy.prefix_index import PrefixIndex, prompt_blocks
 from kvbridge.serving.proxy.router import Router
-from support.proxy import BODY, FakeBackend, prompt_key, proxy_for, running
+from support.proxy import BODY, FakeBackend, prompt_key, proxy_for, running, wait_for
 
 # --- the prefix index -----------------------------------------------------------------------------------------
 
@@ -185,29 +185,50 @@ def test_the_prefill_instances_missing_prefix_counts_against_disaggregating():
     same turn is disaggregated when the prefill instance holds the conversation too."""
 
     def busy_turn(prefill_holds: bool) -> Router:
-        r = learned(router(disaggregation="selective", decode=1), hop=0.005)
+        r = learned(router(disaggregation="selective", decode=1), hop=0.001)
         if prefill_holds:
             r.indexes[r.balancer.backends("prefill")[0]].add(keys(list(range(400))), 0)
         r.indexes[r.balancer.backends("decode")[0]].add(keys(list(range(400))), 0)
         r.route({"prompt": [7] * 40}, False, now=1)  # the decode instance runs another request
         return r
 
-    # running 1: direct costs 2 * new / rate; disaggregated 5 ms + (the prefill's missing tokens) / rate
+    # the decode has 40 tokens queued: direct is (40 + new) / rate; disaggregated 1 ms + prefill_new / rate
     lacking = busy_turn(prefill_holds=False).route({"prompt": list(range(560))}, False, now=2)
     assert (lacking.new_tokens, lacking.prefill_new) == (160, 560)
-    assert lacking.threshold == pytest.approx((0.005 + 560 / 1e4) / (2 / 1e4))  # 305 tokens
+    assert lacking.threshold == pytest.approx((0.001 + (560 - 40) / 1e4) / (1 / 1e4))  # 530 tokens
     assert (lacking.path, lacking.reason) == ("direct", "below_threshold")
     holding = busy_turn(prefill_holds=True).route({"prompt": list(range(560))}, False, now=2)
     assert (holding.new_tokens, holding.prefill_new) == (160, 160)
-    assert holding.threshold == pytest.approx((0.005 + 160 / 1e4) / (2 / 1e4))  # 105 tokens
+    assert holding.threshold == pytest.approx((0.001 + (160 - 40) / 1e4) / (1 / 1e4))  # 130 tokens
     assert (holding.path, holding.reason) == ("disaggregated", "at_or_above_threshold")
+
+
+def test_each_request_goes_where_its_first_token_comes_first_and_the_queues_balance():
+    """The router keeps, per instance, the tokens routed there and not computed yet: a request is disaggregated
+    while the prefill instance's queue and what it lacks come to less than the decode's queue and its new tokens
+    (plus the hop and the transfer), and goes straight to the decode once the prefill's queue is the longer."""
+    r = learned(router(disaggregation="selective", decode=1))  # 10,000 tokens/s, no hop, no transfer cost
+    prefill, decode = r.balancer.backends("prefill")[0], r.balancer.backends("decode")[0]
+    first = r.route({"prompt": [7] * 400}, False, now=0)
+    assert (first.reason, first.queued, r.queued[decode]) == ("decode_idle", 0, 400)
+    b = r.route({"prompt": [5] * 300}, False, now=1)  # prefill: 0 + 300 ahead; decode: 400 + 300
+    assert (b.path, b.queued, b.threshold) == ("disaggregated", 0, pytest.approx(-100))
+    c = r.route({"prompt": [6] * 300}, False, now=2)  # prefill: 300 + 300; decode: 400 + 300
+    assert (c.path, c.queued, c.threshold) == ("disaggregated", 300, pytest.approx(200))
+    d = r.route({"prompt": [8] * 300}, False, now=3)  # prefill: 600 + 300; decode: 400 + 300
+    assert (d.path, d.reason, d.queued, d.threshold) == ("direct", "below_threshold", 400, pytest.approx(500))
+    assert (r.queued[prefill], r.queued[decode]) == (600, 700)
+    assert "queued=400" in d.line()
+    for route in (first, b, c, d, b):  # settling twice counts once
+        r.settle(route)
+    assert (r.queued[prefill], r.queued[decode]) == (0, 0)
 
 
 def test_a_cost_not_measured_yet_counts_as_none_once_the_prefill_rate_is_known():
     r = learned(router(disaggregation="selective", direct_initial_tokens=7), transfer=None, hop=None)
-    assert r.threshold(1, 1000) == pytest.approx(1000 / 2)  # the prefill's 0.1 s against twice new / rate
+    assert r.threshold(1000) == pytest.approx(1000)  # the prefill's 1000 tokens ahead against the decode's new
     r.learner.costs.prefill_tokens_per_s = None
-    assert r.threshold(1, 1000) == 7  # the rate unknown: the initial threshold
+    assert r.threshold(1000) == 7  # the rate unknown: the initial threshold
 
 
 def samples(**values: float) -> list:
@@ -224,7 +245,7 @@ def samples(**values: float) -> list:
 
 def test_the_threshold_is_learned_from_metrics_and_the_hop():
     learner = CostLearner()
-    assert learner.costs.threshold(0) is None
+    assert learner.costs.threshold() is None
     learner.prefill_read("p", samples(computed=10, prefill_s=1.0))  # since start: too few tokens to tell
     assert learner.costs.prefill_tokens_per_s is None
     learner.prefill_read("p", samples(computed=10010, prefill_s=2.0))  # 10,000 tokens in 1 s
@@ -234,14 +255,14 @@ def test_the_threshold_is_learned_from_metrics_and_the_hop():
     assert costs.prefill_tokens_per_s == pytest.approx(10000)
     assert costs.transfer_s_per_token == pytest.approx(20e-6)
     assert costs.hop_s == pytest.approx(0.05)
-    assert costs.threshold(0) == pytest.approx(0.05 / (1e-4 - 2e-5))  # 625 tokens
-    assert costs.threshold(3) == pytest.approx(0.05 / (4e-4 - 2e-5))  # a busy decode computes less itself
-    assert costs.threshold(0, 1000) == pytest.approx((0.05 + 0.1) / (1e-4 - 2e-5))  # the prefill computes 1000
+    assert costs.threshold() == pytest.approx(0.05 / (1e-4 - 2e-5))  # 625 tokens
+    assert costs.threshold(1000) == pytest.approx((0.05 + 0.1) / (1e-4 - 2e-5))  # the prefill computes 1000 more
+    assert costs.threshold(-1000) == pytest.approx((0.05 - 0.1) / (1e-4 - 2e-5))  # the decode's queue is longer
     learner.decode_read("d", samples(loaded=10, transfer_s=0, loads=0, transfers=0))  # a restart: no measurement
     assert costs.transfer_s_per_token == pytest.approx(20e-6)
     slow = CostLearner()
     slow.costs.prefill_tokens_per_s, slow.costs.transfer_s_per_token, slow.costs.hop_s = 1000, 2e-3, 0.01
-    assert slow.costs.threshold(0) == float("inf")  # transferring costs more than computing
+    assert slow.costs.threshold() == float("inf")  # transferring costs more than computing
 
 
 def test_costs_are_read_from_prometheus_text():
@@ -366,6 +387,23 @@ def test_the_hop_is_the_disaggregated_paths_first_token_overhead_beyond_the_dire
     assert learner.costs.hop_s == pytest.approx(0.085)
     learner.prefill_leg(0.11, 1000)  # once a disaggregated first token was seen, first tokens say what it costs
     assert learner.costs.hop_s == pytest.approx(0.085)
+
+
+@pytest.mark.parametrize("status", [200, 400])
+def test_the_queues_empty_whatever_ends_a_request(status):
+    """Direct and disaggregated, streamed or not, one prompt or several, answered or refused by the decode: once
+    every request has ended, no instance has tokens left in the router's queues."""
+    prefill, decode = FakeBackend("p"), FakeBackend("d", status=status)
+    bodies = [
+        {**BODY, "prompt": prompt, **extra}
+        for prompt in ([5, 6, 7], list(range(40)), [[5, 6, 7], list(range(40))])
+        for extra in ({}, {"stream": True})
+    ]
+    with running(prefill, decode) as (p, d), proxy_for([p.url], [d.url], **SELECTIVE) as (url, proxy):
+        replies = [httpx.post(url + "/v1/completions", json=body, timeout=10) for body in bodies]
+        wait_for(lambda: set(proxy.router.queued.values()) == {0})  # the reply goes out before the proxy settles
+    assert {r.status_code for r in replies} == {status}
+    assert prefill.prefills > 0 and len(proxy.router.queued) == 2
 
 
 def test_streamed_first_tokens_teach_the_router_by_path():

@@ -143,8 +143,8 @@ class _RouterCollector:
         for name, doc, value in (
             (
                 "direct_threshold_tokens",
-                "New tokens below which a request goes straight to an idle decode instance, its prefill instance "
-                "holding the whole prompt (NaN: always disaggregated)",
+                "New tokens below which a request goes straight to a decode instance, no instance having a queue "
+                "and the prefill instance holding the whole prompt (NaN: always disaggregated)",
                 threshold,
             ),
             ("prefill_tokens_per_second", "Learned prefill throughput", costs.prefill_tokens_per_s),

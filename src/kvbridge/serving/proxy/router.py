@@ -55,6 +55,15 @@ class Pick:
         return f"{self.backend.name}({self.why}, held {self.held_tokens})"
 
 
+@dataclass
+class Work:
+    """Tokens routed to an instance for it to compute, counted in its queue until settled."""
+
+    backend: Backend
+    tokens: int
+    open: bool = True
+
+
 @dataclass(frozen=True)
 class Route:
     decode: Pick
@@ -71,6 +80,11 @@ class Route:
     reason: str
     """below_threshold, decode_idle, at_or_above_threshold, always, prompt_logprobs."""
     costs: str
+    queued: int = 0
+    """Tokens queued ahead of this request at the instance that computes it (the prefill instance when
+    disaggregated, else the decode instance): routed there and not computed yet."""
+    work: Work | None = None
+    """This request's own tokens in that instance's queue, until `Router.settle`."""
 
     @property
     def path(self) -> str:
@@ -84,7 +98,7 @@ class Route:
         return (
             f"path={self.path} reason={self.reason} decode={self.decode.describe()}{prefill} "
             f"prompt={self.prompt_tokens} new={self.new_tokens}{prefill_new} threshold={threshold} "
-            f"running={self.decode.backend.outstanding - 1} [{self.costs}]"
+            f"queued={self.queued} running={self.decode.backend.outstanding - 1} [{self.costs}]"
         )
 
 
@@ -94,26 +108,29 @@ class Router:
         self.balancer = balancer
         self.learner = CostLearner()
         self.indexes = {b: PrefixIndex(config.prefix_index_blocks, config.prefix_ttl_s) for b in balancer.backends()}
+        self.queued = dict.fromkeys(balancer.backends(), 0)
+        """Per instance, the tokens routed to it for computing whose compute has not ended (`settle`)."""
 
-    def threshold(self, running: int, prefill_new: int = 0) -> float | None:
-        """The current threshold for a decode instance running `running` requests, when the prefill instance would
-        compute `prefill_new` tokens of the prompt (None: `always`)."""
+    def threshold(self, ahead: int = 0) -> float | None:
+        """The current threshold when the prefill instance would compute `ahead` tokens more than the decode
+        instance before the request's first token (costs.py; None: `always`)."""
         cfg = self.config
         if cfg.disaggregation == "always":
             return None
         if cfg.direct_below_tokens is not None:
             return float(cfg.direct_below_tokens)
-        learned = self.learner.costs.threshold(running, prefill_new)
+        learned = self.learner.costs.threshold(ahead)
         return float(cfg.direct_initial_tokens) if learned is None else learned
 
     def route(self, body: Mapping[str, Any], chat: bool, now: float, force_direct: bool = False) -> Route:
         """Choose and count (`Balancer.take`) the decode instance and, unless direct, the prefill instance; the
-        caller releases each. NoBackendError when a kind needed has none up (nothing is counted then)."""
+        caller releases each, and settles the route (`settle`) once the compute it queued has ended. NoBackendError
+        when a kind needed has none up (nothing is counted then)."""
         cfg = self.config
         blocks = prompt_blocks(body, chat, cfg.prefix_block_tokens)
         decode = self._pick(DECODE, blocks, now)
         new = blocks.tokens - decode.held_tokens
-        running = decode.backend.outstanding
+        queued_decode = self.queued[decode.backend]
         prefill: Pick | None = None
         threshold = prefill_new = None
         if force_direct:
@@ -126,9 +143,10 @@ class Router:
             except NoBackendError:
                 prefill = None  # no prefill instance up: only a direct decision can be served
             prefill_new = blocks.tokens - (prefill.held_tokens if prefill is not None else 0)
-            threshold = self.threshold(running, prefill_new)
+            queued_prefill = self.queued[prefill.backend] if prefill is not None else 0
+            threshold = self.threshold(queued_prefill + prefill_new - queued_decode)
             learned = cfg.direct_below_tokens is None
-            if learned and running == 0 and new <= prefill_new:
+            if learned and queued_decode == 0 and decode.backend.outstanding == 0 and new <= prefill_new:
                 reason = "decode_idle"
             else:
                 reason = "below_threshold" if new < threshold else "at_or_above_threshold"
@@ -141,7 +159,21 @@ class Router:
         if prefill is not None:
             self.balancer.take(prefill.backend)
             self.indexes[prefill.backend].add(blocks.keys, now)
-        return Route(decode, prefill, blocks.tokens, new, threshold, prefill_new, reason, self.learner.costs.describe())
+            work = Work(prefill.backend, blocks.tokens - prefill.held_tokens)
+        else:
+            work = Work(decode.backend, new)
+        queued = self.queued[work.backend]
+        self.queued[work.backend] += work.tokens
+        costs = self.learner.costs.describe()
+        return Route(decode, prefill, blocks.tokens, new, threshold, prefill_new, reason, costs, queued, work)
+
+    def settle(self, route: Route) -> None:
+        """The compute `route` queued has ended (its prefill leg returned, its first token came, or it failed):
+        its tokens leave the instance's queue. Idempotent."""
+        work = route.work
+        if work is not None and work.open:
+            work.open = False
+            self.queued[work.backend] -= work.tokens
 
     def _pick(self, kind: str, blocks: PromptBlocks, now: float) -> Pick:
         least = self.balancer.pick(kind)  # NoBackendError when none is up
@@ -165,4 +197,4 @@ class Router:
         return blocks.held_tokens(self.indexes[backend].match(blocks.keys, now))
 
 
-__all__ = ["DIRECT", "DISAGGREGATED", "NoBackendError", "Pick", "Route", "Router"]
+__all__ = ["DIRECT", "DISAGGREGATED", "NoBackendError", "Pick", "Route", "Router", "Work"]
