@@ -163,7 +163,10 @@ async def replay(url: str, turns: list[Turn], args: argparse.Namespace, salt: st
 
 
 def pct(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank); inf when no request succeeded."""
     ordered = sorted(values)
+    if not ordered:
+        return float("inf")
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
@@ -248,7 +251,7 @@ def run_arm(name: str, url: str, turns: list[Turn], args: argparse.Namespace, se
         "requests": len(results),
         "failed": [f"user {r.user} turn {r.turn}: {r.error}" for r in results if r.error is not None],
         "ttft_ms": {q: round(pct(ttft, v), 1) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
-        "itl_ms": {"mean": round(statistics.fmean(itl), 2), "p90": round(pct(itl, 0.9), 2)},
+        "itl_ms": {"mean": round(statistics.fmean(itl), 2) if itl else None, "p90": round(pct(itl, 0.9), 2)},
         "requests_per_s": round(len(results) / makespan, 3),
         "prompt_tokens": {s: round(after[s] - before[s]) for s in SOURCES},
         "trace": [
