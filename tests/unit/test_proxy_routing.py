@@ -12,10 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.serving.proxy import Balancer, ProxyConfig
-from kvbridge.serving.proxy.costs import PREFILL_TIME, SOURCE, TRANSFER_COUNT, TRANSFER_SUM, TRANSFERS, CostLearner
+from kvbridge.serving.proxy.costs import (
+    PREFILL_TIME,
+    SERIES,
+    SOURCE,
+    TRANSFER_COUNT,
+    TRANSFER_SUM,
+    TRANSFERS,
+    CostLearner,
+)
 from kvbridge.serving.proxy.prefix_index import PrefixIndex, prompt_blocks
 from kvbridge.serving.proxy.router import Router
-from support.proxy import BODY, FakeBackend, prompt_key, proxy_for, running
+from support.proxy import BODY, FakeBackend, prompt_key, proxy_for, running, wait_for
 
 # --- the prefix index -----------------------------------------------------------------------------------------
 
@@ -31,6 +39,7 @@ def test_block_keys_name_the_whole_prefix_and_the_salt():
     assert keys([*range(8), 99, 98, 97, 96])[:2] == a  # same first two blocks, then its own
     assert keys([9, *range(1, 10)])[1] != a[1]  # block 1 is the same tokens, its prefix is not
     assert keys(list(range(10)), salt="s") != a
+    assert len(keys([2**64, *range(9)])) == 2  # an id beyond 64 bits is keyed by its text
     text = prompt_blocks({"prompt": "x" * 70}, False, 4)
     assert (len(text.keys), text.tokens) == (4, 18)  # 16 characters a block, 4 a token
     turn1 = [{"role": "user", "content": "hello " * 20}]
@@ -147,6 +156,81 @@ def test_selective_goes_direct_below_the_threshold_and_says_why():
     assert (logprobs.path, logprobs.reason) == ("direct", "prompt_logprobs")
 
 
+def learned(r: Router, rate: float = 1e4, transfer: float | None = 0.0, hop: float | None = 0.0) -> Router:
+    costs = r.learner.costs
+    costs.prefill_tokens_per_s, costs.transfer_s_per_token, costs.hop_s = rate, transfer, hop
+    return r
+
+
+def test_an_idle_decode_computes_what_the_prefill_would_compute_as_much_of():
+    """A decode instance running nothing serves a prompt itself when the prefill instance holds no more of it: the
+    prefill would compute as many tokens and add the hop and the transfer. Whatever the costs, known or not."""
+    for r in (router(disaggregation="selective"), learned(router(disaggregation="selective"), hop=1e-6)):
+        first = r.route({"prompt": list(range(400))}, False, now=0)
+        assert (first.path, first.reason, first.new_tokens, first.prefill_new) == ("direct", "decode_idle", 400, 400)
+        assert "reason=decode_idle" in first.line() and "prefill_new=400" in first.line()
+    # the control: the same prompt on a busy decode instance is decided by the threshold (initial: 256)
+    r = router(disaggregation="selective", decode=1)
+    r.route({"prompt": [7] * 40}, False, now=0)  # not released: the decode instance runs it
+    busy = r.route({"prompt": list(range(400))}, False, now=1)
+    assert (busy.path, busy.reason, busy.threshold) == ("disaggregated", "at_or_above_threshold", 256)
+    # and a fixed threshold is the operator's: no idle rule
+    fixed = router(disaggregation="selective", direct_below_tokens=16).route({"prompt": list(range(400))}, False, 0)
+    assert (fixed.path, fixed.reason) == ("disaggregated", "at_or_above_threshold")
+
+
+def test_the_prefill_instances_missing_prefix_counts_against_disaggregating():
+    """A conversation held by its decode instance and not by the prefill instance: disaggregating its next turn
+    would recompute the whole conversation on the prefill instance, so the turn goes straight to the decode; the
+    same turn is disaggregated when the prefill instance holds the conversation too."""
+
+    def busy_turn(prefill_holds: bool) -> Router:
+        r = learned(router(disaggregation="selective", decode=1), hop=0.001)
+        if prefill_holds:
+            r.indexes[r.balancer.backends("prefill")[0]].add(keys(list(range(400))), 0)
+        r.indexes[r.balancer.backends("decode")[0]].add(keys(list(range(400))), 0)
+        r.route({"prompt": [7] * 40}, False, now=1)  # the decode instance runs another request
+        return r
+
+    # the decode has 40 tokens queued: direct is (40 + new) / rate; disaggregated 1 ms + prefill_new / rate
+    lacking = busy_turn(prefill_holds=False).route({"prompt": list(range(560))}, False, now=2)
+    assert (lacking.new_tokens, lacking.prefill_new) == (160, 560)
+    assert lacking.threshold == pytest.approx((0.001 + (560 - 40) / 1e4) / (1 / 1e4))  # 530 tokens
+    assert (lacking.path, lacking.reason) == ("direct", "below_threshold")
+    holding = busy_turn(prefill_holds=True).route({"prompt": list(range(560))}, False, now=2)
+    assert (holding.new_tokens, holding.prefill_new) == (160, 160)
+    assert holding.threshold == pytest.approx((0.001 + (160 - 40) / 1e4) / (1 / 1e4))  # 130 tokens
+    assert (holding.path, holding.reason) == ("disaggregated", "at_or_above_threshold")
+
+
+def test_each_request_goes_where_its_first_token_comes_first_and_the_queues_balance():
+    """The router keeps, per instance, the tokens routed there and not computed yet: a request is disaggregated
+    while the prefill instance's queue and what it lacks come to less than the decode's queue and its new tokens
+    (plus the hop and the transfer), and goes straight to the decode once the prefill's queue is the longer."""
+    r = learned(router(disaggregation="selective", decode=1))  # 10,000 tokens/s, no hop, no transfer cost
+    prefill, decode = r.balancer.backends("prefill")[0], r.balancer.backends("decode")[0]
+    first = r.route({"prompt": [7] * 400}, False, now=0)
+    assert (first.reason, first.queued, r.queued[decode]) == ("decode_idle", 0, 400)
+    b = r.route({"prompt": [5] * 300}, False, now=1)  # prefill: 0 + 300 ahead; decode: 400 + 300
+    assert (b.path, b.queued, b.threshold) == ("disaggregated", 0, pytest.approx(-100))
+    c = r.route({"prompt": [6] * 300}, False, now=2)  # prefill: 300 + 300; decode: 400 + 300
+    assert (c.path, c.queued, c.threshold) == ("disaggregated", 300, pytest.approx(200))
+    d = r.route({"prompt": [8] * 300}, False, now=3)  # prefill: 600 + 300; decode: 400 + 300
+    assert (d.path, d.reason, d.queued, d.threshold) == ("direct", "below_threshold", 400, pytest.approx(500))
+    assert (r.queued[prefill], r.queued[decode]) == (600, 700)
+    assert "queued=400" in d.line()
+    for route in (first, b, c, d, b):  # settling twice counts once
+        r.settle(route)
+    assert (r.queued[prefill], r.queued[decode]) == (0, 0)
+
+
+def test_a_cost_not_measured_yet_counts_as_none_once_the_prefill_rate_is_known():
+    r = learned(router(disaggregation="selective", direct_initial_tokens=7), transfer=None, hop=None)
+    assert r.threshold(1000) == pytest.approx(1000)  # the prefill's 1000 tokens ahead against the decode's new
+    r.learner.costs.prefill_tokens_per_s = None
+    assert r.threshold(1000) == 7  # the rate unknown: the initial threshold
+
+
 def samples(**values: float) -> list:
     names = {
         "computed": (SOURCE, {"source": "local_compute"}),
@@ -161,7 +245,7 @@ def samples(**values: float) -> list:
 
 def test_the_threshold_is_learned_from_metrics_and_the_hop():
     learner = CostLearner()
-    assert learner.costs.threshold(0) is None
+    assert learner.costs.threshold() is None
     learner.prefill_read("p", samples(computed=10, prefill_s=1.0))  # since start: too few tokens to tell
     assert learner.costs.prefill_tokens_per_s is None
     learner.prefill_read("p", samples(computed=10010, prefill_s=2.0))  # 10,000 tokens in 1 s
@@ -171,13 +255,14 @@ def test_the_threshold_is_learned_from_metrics_and_the_hop():
     assert costs.prefill_tokens_per_s == pytest.approx(10000)
     assert costs.transfer_s_per_token == pytest.approx(20e-6)
     assert costs.hop_s == pytest.approx(0.05)
-    assert costs.threshold(0) == pytest.approx(0.05 / (1e-4 - 2e-5))  # 625 tokens
-    assert costs.threshold(3) == pytest.approx(0.05 / (4e-4 - 2e-5))  # a busy decode computes less itself
+    assert costs.threshold() == pytest.approx(0.05 / (1e-4 - 2e-5))  # 625 tokens
+    assert costs.threshold(1000) == pytest.approx((0.05 + 0.1) / (1e-4 - 2e-5))  # the prefill computes 1000 more
+    assert costs.threshold(-1000) == pytest.approx((0.05 - 0.1) / (1e-4 - 2e-5))  # the decode's queue is longer
     learner.decode_read("d", samples(loaded=10, transfer_s=0, loads=0, transfers=0))  # a restart: no measurement
     assert costs.transfer_s_per_token == pytest.approx(20e-6)
     slow = CostLearner()
     slow.costs.prefill_tokens_per_s, slow.costs.transfer_s_per_token, slow.costs.hop_s = 1000, 2e-3, 0.01
-    assert slow.costs.threshold(0) == float("inf")  # transferring costs more than computing
+    assert slow.costs.threshold() == float("inf")  # transferring costs more than computing
 
 
 def test_costs_are_read_from_prometheus_text():
@@ -196,10 +281,13 @@ def test_costs_are_read_from_prometheus_text():
             f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="m"}} 3.0\n'
         )
 
-    learner = CostLearner()
-    learner.prefill_read("p", parse_samples(text(10, 0.5)))
-    learner.prefill_read("p", parse_samples(text(2010, 0.75)))
-    assert learner.costs.prefill_tokens_per_s == pytest.approx(8000)
+    for names in (None, SERIES):  # every series, and only those the costs read
+        learner = CostLearner()
+        learner.prefill_read("p", parse_samples(text(10, 0.5), names))
+        learner.prefill_read("p", parse_samples(text(2010, 0.75), names))
+        assert learner.costs.prefill_tokens_per_s == pytest.approx(8000)
+    picked = parse_samples(text(10, 0.5), SERIES)
+    assert sorted(name for name, _, _ in picked) == sorted([PREFILL_TIME, SOURCE, SOURCE])  # no bucket, no count
 
 
 def test_a_fixed_threshold_wins_over_the_learned_one_and_the_initial_one_stands_in():
@@ -299,6 +387,23 @@ def test_the_hop_is_the_disaggregated_paths_first_token_overhead_beyond_the_dire
     assert learner.costs.hop_s == pytest.approx(0.085)
     learner.prefill_leg(0.11, 1000)  # once a disaggregated first token was seen, first tokens say what it costs
     assert learner.costs.hop_s == pytest.approx(0.085)
+
+
+@pytest.mark.parametrize("status", [200, 400])
+def test_the_queues_empty_whatever_ends_a_request(status):
+    """Direct and disaggregated, streamed or not, one prompt or several, answered or refused by the decode: once
+    every request has ended, no instance has tokens left in the router's queues."""
+    prefill, decode = FakeBackend("p"), FakeBackend("d", status=status)
+    bodies = [
+        {**BODY, "prompt": prompt, **extra}
+        for prompt in ([5, 6, 7], list(range(40)), [[5, 6, 7], list(range(40))])
+        for extra in ({}, {"stream": True})
+    ]
+    with running(prefill, decode) as (p, d), proxy_for([p.url], [d.url], **SELECTIVE) as (url, proxy):
+        replies = [httpx.post(url + "/v1/completions", json=body, timeout=10) for body in bodies]
+        wait_for(lambda: set(proxy.router.queued.values()) == {0})  # the reply goes out before the proxy settles
+    assert {r.status_code for r in replies} == {status}
+    assert prefill.prefills > 0 and len(proxy.router.queued) == 2
 
 
 def test_streamed_first_tokens_teach_the_router_by_path():

@@ -31,6 +31,8 @@ class Call:
         """The client went away before the reply was complete."""
         self.routed: dict[int, tuple[Any, float]] = {}
         """Sub-requests (by index) routed whose first token has not come yet: their route and when it was made."""
+        self.queued: dict[int, Any] = {}
+        """Sub-requests (by index) whose compute is in the router's queues (Router.settle): their route."""
 
     @property
     def stream(self) -> bool:

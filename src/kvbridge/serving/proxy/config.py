@@ -115,10 +115,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     direct_below_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] | None = None
     """With selective disaggregation: a fixed threshold in new tokens (0: never direct). None: learned from the
-    servers' /metrics and the proxy's prefill legs (prefill throughput, transfer time per token, the hop)."""
+    servers' /metrics and the proxy's own requests (prefill throughput, transfer time per token, the hop), weighing
+    each instance's queue and what the prefill instance lacks of the prompt; an idle decode instance then serves a
+    prompt itself when the prefill instance holds no more of it."""
 
     direct_initial_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 256
-    """The learned threshold's value until every cost behind it has been measured."""
+    """The learned threshold's value until the prefill throughput has been measured (a transfer time or a hop not
+    measured yet counts as 0 meanwhile)."""
 
     metrics_interval_s: Seconds = 2.0
     """How often the proxy reads the backends' /metrics to learn the costs (selective disaggregation, learned)."""

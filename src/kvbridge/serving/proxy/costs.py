@@ -1,18 +1,23 @@
 """When a request is cheaper served by its decode instance alone: the costs the proxy measures, and the threshold
 they give (pure: samples in, numbers out).
 
-Disaggregating a request whose decode instance would compute `new` tokens itself costs that request a prefill hop
-(`hop_s`: the prefill leg's time beyond its compute, and the decode's load set-up) plus the transfer of those
-tokens (`new * transfer_s_per_token`); it spares the decode instance `new / prefill_tokens_per_s` seconds of
-compute, during which every request it is running waits. So a request goes straight to the decode instance when
+A request's first token comes after the tokens queued ahead of it and its own are computed (`rate`: prefill tokens
+per second). Served by its decode instance, that is the decode's queue (`queued_decode`: tokens routed to it and not
+computed yet) and the `new` tokens it does not hold. Disaggregated, it is the prefill instance's queue
+(`queued_prefill`) and what that instance lacks of the prompt (`prefill_new`: the prompt less the prefix it likely
+holds), then the hop (`hop_s`: time to the first token beyond queues, compute and transfer, over the direct path's)
+and the transfer of the `new` tokens (`transfer_s_per_token` each). So a request goes straight to the decode
+instance when
 
-    new / prefill_tokens_per_s * (1 + running)  <  hop_s + new * transfer_s_per_token
+    (queued_decode + new) / rate  <  (queued_prefill + prefill_new) / rate + hop_s + new * transfer_s_per_token
 
 that is, when `new` is below
 
-    threshold = hop_s / ((1 + running) / prefill_tokens_per_s - transfer_s_per_token)
+    threshold = (hop_s + ahead / rate) / (1 / rate - transfer_s_per_token),
+    ahead = queued_prefill + prefill_new - queued_decode
 
-(no limit when the transfer is not cheaper than computing). `running`: the decode instance's requests in flight.
+(no limit when the transfer is not cheaper than computing): each request goes where its first token comes first,
+and the two queues balance.
 
 Where the numbers come from:
 - prefill_tokens_per_s: the prefill instances' own /metrics, tokens computed
@@ -20,11 +25,16 @@ Where the numbers come from:
   (`vllm:request_prefill_time_seconds_sum`), between two reads;
 - transfer_s_per_token: the decode instances' `vllm:kvbridge_transfer_seconds` (mean per load) over the tokens one
   load brought (`...{source="external_kv_transfer"}` over `vllm:kvbridge_transfers_total`);
-- hop_s: from the proxy's own streamed requests, the time to the first token beyond compute and transfer, the
-  disaggregated path's less the direct one's (queues at the prefill instance, the KV's wait at the decode; the
-  direct one's counts as none until seen); until then, the prefill legs' duration beyond their compute.
+- hop_s: from the proxy's own streamed requests, the time to the first token beyond the compute of the tokens queued
+  ahead and its own, and the transfer, the disaggregated path's less the direct one's (the KV's wait at the decode,
+  the legs' HTTP; the direct one's counts as none until seen); until then, the prefill legs' duration beyond that
+  compute.
+- the queues: kept by the router, the tokens it routed to each instance whose compute has not ended (a prefill leg
+  until it returns; a request sent straight to a decode instance until its first token, or its end).
 The first read of a server counts everything since it started; then the difference between two reads.
-Each is a moving average (`ALPHA`); until all three are known the threshold is the configured initial one.
+Each is a moving average (`ALPHA`). Until the prefill throughput is known the threshold is the configured initial
+one; a transfer time or a hop not measured yet counts as 0, a lower bound of what disaggregating costs, so that an
+unmeasured cost never keeps a request from its prefill instance (whose requests then measure it).
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ PREFILL_TIME = "vllm:request_prefill_time_seconds_sum"
 TRANSFER_SUM = "vllm:kvbridge_transfer_seconds_sum"
 TRANSFER_COUNT = "vllm:kvbridge_transfer_seconds_count"
 TRANSFERS = "vllm:kvbridge_transfers_total"
+SERIES = (SOURCE, PREFILL_TIME, TRANSFER_SUM, TRANSFER_COUNT, TRANSFERS)
+"""The series the costs are read from."""
 MIN_TOKENS = 64
 """Fewer new tokens between two reads than this teach nothing (noise)."""
 
@@ -53,19 +65,18 @@ class Costs:
     transfer_s_per_token: float | None = None
     hop_s: float | None = None
 
-    @property
-    def known(self) -> bool:
-        return None not in (self.prefill_tokens_per_s, self.transfer_s_per_token, self.hop_s)
-
-    def threshold(self, running: int) -> float | None:
-        """New tokens below which the decode instance computes a request itself; inf: always; None: unknown."""
-        if not self.known:
+    def threshold(self, ahead: int = 0) -> float | None:
+        """New tokens below which the decode instance computes a request itself, when the prefill instance would
+        compute `ahead` tokens more than the decode before this request's first token (its queue and what it lacks
+        of the prompt, less the decode's queue; may be negative). inf: always; None: the prefill throughput is not
+        known yet."""
+        rate = self.prefill_tokens_per_s
+        if not rate:
             return None
-        assert self.prefill_tokens_per_s and self.transfer_s_per_token is not None and self.hop_s is not None
-        saved_per_token = (1 + running) / self.prefill_tokens_per_s - self.transfer_s_per_token
+        saved_per_token = 1 / rate - (self.transfer_s_per_token or 0.0)
         if saved_per_token <= 0:
             return float("inf")
-        return self.hop_s / saved_per_token
+        return ((self.hop_s or 0.0) + ahead / rate) / saved_per_token
 
     def describe(self) -> str:
         def show(value: float | None, scale: float, unit: str, digits: int) -> str:
@@ -126,19 +137,20 @@ class CostLearner:
             tokens_per_transfer = d["loaded"] / d["transfers"]
             self.costs.transfer_s_per_token = _ewma(self.costs.transfer_s_per_token, per_load_s / tokens_per_transfer)
 
-    def prefill_leg(self, seconds: float, new_tokens: int) -> None:
-        """A prefill leg took `seconds` for an estimated `new_tokens` computed: the rest is the hop, until a
-        disaggregated request's first token has been seen (`first_token`)."""
+    def prefill_leg(self, seconds: float, computed: int) -> None:
+        """A prefill leg took `seconds` for an estimated `computed` tokens (its own and those queued ahead of it):
+        the rest is the hop, until a disaggregated request's first token has been seen (`first_token`)."""
         rate = self.costs.prefill_tokens_per_s
         if rate is None or self.overhead_s["disaggregated"] is not None:
             return
-        self.costs.hop_s = _ewma(self.costs.hop_s, max(0.0, seconds - new_tokens / rate))
+        self.costs.hop_s = _ewma(self.costs.hop_s, max(0.0, seconds - computed / rate))
 
     def first_token(self, path: str, seconds: float, computed: int, loaded: int) -> None:
         """A streamed request's first token came `seconds` after it was routed on `path` ("direct" or
-        "disaggregated"), `computed` tokens computed on its way (by the decode, or by the prefill) and `loaded`
-        transferred. What is left after compute and transfer is the path's overhead; the hop is the disaggregated
-        path's overhead beyond the direct one's (queues at the prefill instance, the KV's wait at the decode)."""
+        "disaggregated"), `computed` tokens computed before it (by the decode, or by the prefill: its own and those
+        queued ahead of it) and `loaded` transferred. What is left after compute and transfer is the path's
+        overhead; the hop is the disaggregated path's overhead beyond the direct one's (the KV's wait at the
+        decode, the legs' HTTP)."""
         rate = self.costs.prefill_tokens_per_s
         if rate is None:
             return

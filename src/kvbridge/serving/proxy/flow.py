@@ -10,8 +10,9 @@ kv_transfer_params; the sub-requests run concurrently and their replies become t
 
 Every prefill that succeeded and whose decode leg did not read its KV (failed, cancelled, never sent) is released
 at once (releases.py). Backend counts: a sub-request takes one prefill and one decode backend before its prefill
-leg, so that no prefill runs (and holds KV) while no decode backend is up. The prefill legs' durations teach the
-router the hop's cost (costs.py).
+leg, so that no prefill runs (and holds KV) while no decode backend is up. The router's queues (router.py) hold a
+sub-request's tokens until its prefill leg returns or its first chunk comes (else until the client's request ends);
+the prefill legs' durations and the first chunks teach it the costs (costs.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class Flow:
                 await self._merged_json(call, plan)
         except LegFailed as failure:
             await call.reply(failure.status, failure.body, failure.content_type)
+        finally:  # whatever ended the request, nothing it queued is left in the router's queues
+            for route in call.queued.values():
+                self.router.settle(route)
+            call.queued.clear()
 
     # the legs of one sub-request
 
@@ -72,6 +77,7 @@ class Flow:
             raise LegFailed(503, error_json(503, "service_unavailable", str(exc))) from None
         self._account(call, sub, route)
         call.routed[sub.index] = (route, time.monotonic())
+        call.queued[sub.index] = route
         decode = route.decode.backend
         if route.prefill is None:
             return None, decode
@@ -82,16 +88,31 @@ class Flow:
         except BaseException:
             self.balancer.release(decode)
             raise
-        self.router.learner.prefill_leg(time.monotonic() - started, route.prompt_tokens - route.prefill.held_tokens)
+        finally:
+            self._settle(call, sub)
+        self.router.learner.prefill_leg(time.monotonic() - started, route.queued + self._computed(route))
         return params, decode
 
+    def _settle(self, call: Call, sub: SubRequest) -> None:
+        """The compute the sub-request queued has ended (or will not happen): out of the router's queues."""
+        route = call.queued.pop(sub.index, None)
+        if route is not None:
+            self.router.settle(route)
+
+    @staticmethod
+    def _computed(route: Route) -> int:
+        """Tokens the instance computing the sub-request computes of it."""
+        return route.new_tokens if route.prefill is None else route.prompt_tokens - route.prefill.held_tokens
+
     def _first_token(self, call: Call, sub: SubRequest) -> None:
-        """A streamed sub-request's first chunk arrived: its time from routing, by path, to the learner."""
+        """A sub-request's first chunk arrived: its compute has ended; streamed, its time from routing, by path, to
+        the learner."""
+        self._settle(call, sub)
         routed = call.routed.pop(sub.index, None)
         if routed is None or not call.stream:
             return
         route, started = routed
-        computed = route.new_tokens if route.prefill is None else route.prompt_tokens - route.prefill.held_tokens
+        computed = route.queued + self._computed(route)
         self.router.learner.first_token(route.path, time.monotonic() - started, computed, route.new_tokens)
 
     def _account(self, call: Call, sub: SubRequest, route: Route) -> None:

@@ -59,5 +59,11 @@ def _depth_over(value: Any, max_depth: int) -> bool:
         if depth > max_depth:
             return True
         children = item.values() if isinstance(item, dict) else item
+        if _CONTAINERS.isdisjoint(map(type, children)):  # a flat list (token ids) in C, not item by item
+            continue
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
     return False
+
+
+_CONTAINERS = frozenset((dict, list))
+"""What json.loads nests: dicts and lists, never their subclasses."""

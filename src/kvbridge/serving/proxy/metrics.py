@@ -73,7 +73,7 @@ class ProxyMetrics:
         self.decisions = Counter(
             "kvbridge_proxy_decisions",
             "Sub-requests by path (direct: straight to a decode instance; disaggregated: prefill then decode) and "
-            "reason (below_threshold, at_or_above_threshold, always, prompt_logprobs)",
+            "reason (below_threshold, decode_idle, at_or_above_threshold, always, prompt_logprobs)",
             ["path", "reason"],
             registry=self.registry,
         )
@@ -143,7 +143,8 @@ class _RouterCollector:
         for name, doc, value in (
             (
                 "direct_threshold_tokens",
-                "New tokens below which a request goes straight to an idle decode instance (NaN: always disaggregated)",
+                "New tokens below which a request goes straight to a decode instance, no instance having a queue "
+                "and the prefill instance holding the whole prompt (NaN: always disaggregated)",
                 threshold,
             ),
             ("prefill_tokens_per_second", "Learned prefill throughput", costs.prefill_tokens_per_s),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,7 +65,12 @@ def _chain(seed: bytes, pieces: Sequence[bytes]) -> tuple[bytes, ...]:
 
 def _token_blocks(ids: Sequence[int], seed: bytes, block: int) -> PromptBlocks:
     full = len(ids) // block
-    pieces = [",".join(map(str, ids[i * block : (i + 1) * block])).encode() for i in range(full)]
+    try:  # 8 bytes a token id, packed in C: a few thousand ids in tens of microseconds
+        packed = array("Q", ids[: full * block]).tobytes()
+        width = 8 * block
+        pieces = [packed[i * width : (i + 1) * width] for i in range(full)]
+    except OverflowError:  # an id beyond 64 bits (vLLM refuses it): its text
+        pieces = [",".join(map(str, ids[i * block : (i + 1) * block])).encode() for i in range(full)]
     return PromptBlocks(_chain(b"t" + seed, pieces), len(ids), block)
 
 

@@ -13,8 +13,11 @@ Picking an instance of a kind (`routing`):
 Deciding the path (`disaggregation`): `always` sends every sub-request through a prefill instance; `selective`
 estimates the tokens the chosen decode instance would compute itself (the prompt less the prefix it likely holds)
 and sends the request straight to it when that is below the threshold (`direct_below_tokens`, or learned:
-costs.py). A request vLLM would not read transferred KV for (prompt logprobs) goes straight to the decode instance
-in every mode. Straight to the decode is the client's sub-request unchanged, so the choice never changes an output.
+costs.py, which weighs what the prefill instance the request would go to lacks of the prompt). With the learned
+threshold, a decode instance running nothing serves the request itself when the prefill instance holds no more of
+the prompt than it does (`decode_idle`): the prefill would compute as much, plus the hop and the transfer. A
+request vLLM would not read transferred KV for (prompt logprobs) goes straight to the decode instance in every mode.
+Straight to the decode is the client's sub-request unchanged, so the choice never changes an output.
 
 Every instance a request is routed to learns the prompt's blocks: the decode instance of either path, the prefill
 instance of a disaggregated one.
@@ -33,6 +36,8 @@ from kvbridge.serving.proxy.prefix_index import PrefixIndex, PromptBlocks, promp
 
 DIRECT = "direct"
 DISAGGREGATED = "disaggregated"
+DIRECT_REASONS = ("below_threshold", "decode_idle", "prompt_logprobs")
+"""Reasons a sub-request goes straight to its decode instance."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,15 @@ class Pick:
         return f"{self.backend.name}({self.why}, held {self.held_tokens})"
 
 
+@dataclass
+class Work:
+    """Tokens routed to an instance for it to compute, counted in its queue until settled."""
+
+    backend: Backend
+    tokens: int
+    open: bool = True
+
+
 @dataclass(frozen=True)
 class Route:
     decode: Pick
@@ -59,10 +73,18 @@ class Route:
     new_tokens: int
     """Tokens the decode instance would compute itself (the prompt less what it holds)."""
     threshold: float | None
-    """Below it: direct. None when not deciding (`always`, prompt logprobs)."""
+    """Below it: direct (for the prefill instance picked, or the least loaded one when direct). None when not
+    deciding (`always`, prompt logprobs)."""
+    prefill_new: int | None
+    """Tokens the prefill instance would compute (the prompt less what it holds); None when not deciding."""
     reason: str
-    """below_threshold, at_or_above_threshold, always, prompt_logprobs."""
+    """below_threshold, decode_idle, at_or_above_threshold, always, prompt_logprobs."""
     costs: str
+    queued: int = 0
+    """Tokens queued ahead of this request at the instance that computes it (the prefill instance when
+    disaggregated, else the decode instance): routed there and not computed yet."""
+    work: Work | None = None
+    """This request's own tokens in that instance's queue, until `Router.settle`."""
 
     @property
     def path(self) -> str:
@@ -71,11 +93,12 @@ class Route:
     def line(self) -> str:
         """The decision in one log line."""
         threshold = "-" if self.threshold is None else f"{self.threshold:.0f}"
+        prefill_new = "" if self.prefill_new is None else f" prefill_new={self.prefill_new}"
         prefill = "" if self.prefill is None else f" prefill={self.prefill.describe()}"
         return (
             f"path={self.path} reason={self.reason} decode={self.decode.describe()}{prefill} "
-            f"prompt={self.prompt_tokens} new={self.new_tokens} threshold={threshold} "
-            f"running={self.decode.backend.outstanding - 1} [{self.costs}]"
+            f"prompt={self.prompt_tokens} new={self.new_tokens}{prefill_new} threshold={threshold} "
+            f"queued={self.queued} running={self.decode.backend.outstanding - 1} [{self.costs}]"
         )
 
 
@@ -85,39 +108,72 @@ class Router:
         self.balancer = balancer
         self.learner = CostLearner()
         self.indexes = {b: PrefixIndex(config.prefix_index_blocks, config.prefix_ttl_s) for b in balancer.backends()}
+        self.queued = dict.fromkeys(balancer.backends(), 0)
+        """Per instance, the tokens routed to it for computing whose compute has not ended (`settle`)."""
 
-    def threshold(self, running: int) -> float | None:
-        """The current threshold for a decode instance running `running` requests (None: `always`)."""
+    def threshold(self, ahead: int = 0) -> float | None:
+        """The current threshold when the prefill instance would compute `ahead` tokens more than the decode
+        instance before the request's first token (costs.py; None: `always`)."""
         cfg = self.config
         if cfg.disaggregation == "always":
             return None
         if cfg.direct_below_tokens is not None:
             return float(cfg.direct_below_tokens)
-        learned = self.learner.costs.threshold(running)
+        learned = self.learner.costs.threshold(ahead)
         return float(cfg.direct_initial_tokens) if learned is None else learned
 
     def route(self, body: Mapping[str, Any], chat: bool, now: float, force_direct: bool = False) -> Route:
         """Choose and count (`Balancer.take`) the decode instance and, unless direct, the prefill instance; the
-        caller releases each. NoBackendError when a kind needed has none up (nothing is counted then)."""
-        blocks = prompt_blocks(body, chat, self.config.prefix_block_tokens)
+        caller releases each, and settles the route (`settle`) once the compute it queued has ended. NoBackendError
+        when a kind needed has none up (nothing is counted then)."""
+        cfg = self.config
+        blocks = prompt_blocks(body, chat, cfg.prefix_block_tokens)
         decode = self._pick(DECODE, blocks, now)
         new = blocks.tokens - decode.held_tokens
-        threshold = None if force_direct else self.threshold(decode.backend.outstanding)
+        queued_decode = self.queued[decode.backend]
+        prefill: Pick | None = None
+        threshold = prefill_new = None
         if force_direct:
             reason = "prompt_logprobs"
-        elif threshold is None:
+        elif cfg.disaggregation == "always":
             reason = "always"
         else:
-            reason = "below_threshold" if new < threshold else "at_or_above_threshold"
-        prefill = None
-        if reason not in ("below_threshold", "prompt_logprobs"):
+            try:
+                prefill = self._pick(PREFILL, blocks, now)
+            except NoBackendError:
+                prefill = None  # no prefill instance up: only a direct decision can be served
+            prefill_new = blocks.tokens - (prefill.held_tokens if prefill is not None else 0)
+            queued_prefill = self.queued[prefill.backend] if prefill is not None else 0
+            threshold = self.threshold(queued_prefill + prefill_new - queued_decode)
+            learned = cfg.direct_below_tokens is None
+            if learned and queued_decode == 0 and decode.backend.outstanding == 0 and new <= prefill_new:
+                reason = "decode_idle"
+            else:
+                reason = "below_threshold" if new < threshold else "at_or_above_threshold"
+        if reason in DIRECT_REASONS:
+            prefill = None
+        elif prefill is None:
             prefill = self._pick(PREFILL, blocks, now)  # raises before anything is counted
         self.balancer.take(decode.backend)
         self.indexes[decode.backend].add(blocks.keys, now)
         if prefill is not None:
             self.balancer.take(prefill.backend)
             self.indexes[prefill.backend].add(blocks.keys, now)
-        return Route(decode, prefill, blocks.tokens, new, threshold, reason, self.learner.costs.describe())
+            work = Work(prefill.backend, blocks.tokens - prefill.held_tokens)
+        else:
+            work = Work(decode.backend, new)
+        queued = self.queued[work.backend]
+        self.queued[work.backend] += work.tokens
+        costs = self.learner.costs.describe()
+        return Route(decode, prefill, blocks.tokens, new, threshold, prefill_new, reason, costs, queued, work)
+
+    def settle(self, route: Route) -> None:
+        """The compute `route` queued has ended (its prefill leg returned, its first token came, or it failed):
+        its tokens leave the instance's queue. Idempotent."""
+        work = route.work
+        if work is not None and work.open:
+            work.open = False
+            self.queued[work.backend] -= work.tokens
 
     def _pick(self, kind: str, blocks: PromptBlocks, now: float) -> Pick:
         least = self.balancer.pick(kind)  # NoBackendError when none is up
@@ -141,4 +197,4 @@ class Router:
         return blocks.held_tokens(self.indexes[backend].match(blocks.keys, now))
 
 
-__all__ = ["DIRECT", "DISAGGREGATED", "NoBackendError", "Pick", "Route", "Router"]
+__all__ = ["DIRECT", "DISAGGREGATED", "NoBackendError", "Pick", "Route", "Router", "Work"]

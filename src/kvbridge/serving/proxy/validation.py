@@ -96,8 +96,14 @@ def _flag(body: Mapping[str, Any], name: str) -> None:
         raise InvalidRequest(f"`{name}` must be a boolean, got {_kind(value)}", name)
 
 
+def _all_ints(value: list[Any]) -> bool:
+    """Every item is an int (not a bool). `type` is taken in C, item by item in Python only on a mix: a prompt of
+    thousands of token ids costs tens of microseconds, not milliseconds."""
+    return set(map(type, value)) <= {int}
+
+
 def _token_ids(value: list[Any]) -> bool:
-    return all(_is_int(t) and t >= 0 for t in value)
+    return _all_ints(value) and (not value or min(value) >= 0)
 
 
 def _prompts(body: Mapping[str, Any], max_prompts: int) -> tuple[Prompt, ...]:
@@ -112,8 +118,8 @@ def _prompts(body: Mapping[str, Any], max_prompts: int) -> tuple[Prompt, ...]:
         return (prompt,)
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequest(f"`prompt` must be {shapes} (not empty), got {_kind(prompt)}", "prompt")
-    if all(_is_int(t) for t in prompt):
-        if not _token_ids(prompt):
+    if _all_ints(prompt):
+        if min(prompt) < 0:
             raise InvalidRequest("`prompt` token ids must be non-negative", "prompt")
         return (prompt,)
     if len(prompt) > max_prompts:
