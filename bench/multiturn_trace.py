@@ -60,7 +60,7 @@ SOURCE = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 ARMS = ("aggregated", "always-pd", "kvbridge", "aggregated-x2")
 CRITERION = ("aggregated", "always-pd")
-"""kvbridge's TTFT p50 and p90 against the better of these (the issue's criterion); aggregated-x2 is reported too."""
+"""kvbridge's TTFT p50 and p90 against the better of these (the bench's goal); aggregated-x2 is reported too."""
 ALWAYS_DIRECT = str(1 << 24)
 """`--direct-below-tokens` above any prompt: every request straight to a decode instance."""
 
