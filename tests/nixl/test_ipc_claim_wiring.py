@@ -27,7 +27,7 @@ pytestmark = pytest.mark.nixl
 BLOCKS = [1, 2, 3]
 
 
-def job(port: int, request_id: str) -> LoadJob:
+def job(port: int, request_id: str, prompt_hash: str = "h") -> LoadJob:
     source = PrefillDone(
         remote_engine_id="prefill-a",
         remote_request_id=request_id,
@@ -36,7 +36,7 @@ def job(port: int, request_id: str) -> LoadJob:
         remote_port=port,
         remote_layout="pp=1,tp=1",
         remote_token=f"token-{request_id}",
-        remote_prompt_hash="h",
+        remote_prompt_hash=prompt_hash,
     )
     return LoadJob(f"decode-{request_id}", source, ((4, 5, 6),), (tuple(BLOCKS),))
 
@@ -137,8 +137,8 @@ def test_a_granted_claim_reports_the_load_only_once_its_kernels_finish(ipc_side)
 
 def test_a_refused_claim_fails_the_load_only_once_its_kernels_finish(ipc_side):
     decode, prefill, port, reader, answered = ipc_side
-    prefill.hold("r2", BLOCKS, "another-token")  # the params' token is not the hold's: refused at once
-    decode.load(job(port, "r2"))
+    prefill.hold("r2", BLOCKS, "token-r2")
+    decode.load(job(port, "r2", prompt_hash="another-prompt"))  # not the hold's prompt: refused (mismatch) at once
     assert reader.launched.wait(10)
     answered.wait(5)
     assert reported(decode, 0.3) == (set(), set())  # refused, but its kernels still run

@@ -262,7 +262,10 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     engine step after the client got its kv_transfer_params, and a busy prefill engine's step can take seconds):
     the prefill worker keeps such a claim and answers it when the hold comes (or as not held once this passed); the
     decode side retries a claim refused at once as not held for as long. Never past the load's deadline. A prefill
-    whose process is gone or silent ends the wait sooner (handshake_timeout_s)."""
+    whose process is gone or silent ends the wait sooner (handshake_timeout_s), and so does a request freed there
+    (a final refusal); a claim the prefill can only answer as not held (a wrong token, params of an earlier run
+    without their issue time, a request freed before its last 4096) waits it out, holding one of
+    claims_per_engine."""
 
     max_waiting_claims: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 1024
     """Prefill side: claims of requests not held yet kept waiting for their holds at once (each costs an entry

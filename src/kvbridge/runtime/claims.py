@@ -121,8 +121,8 @@ def claim_reads(
                     return rank
                 continue
             text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
-            if not isinstance(answer, wire.ErrorReply) or answer.reason is not wire.Refusal.NOT_HELD or answer.final:
-                raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")  # final
+            if ends_the_claim(answer):
+                raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
             refused.append((rank, text))
         if refused and time.monotonic() >= window:
             rank, text = refused[0]
@@ -132,3 +132,9 @@ def claim_reads(
             load.claim_retries += 1
             backoff.sleep()
     return None
+
+
+def ends_the_claim(answer: wire.Message) -> bool:
+    """Whether a claim's answer other than a grant ends the claim: anything but a `not_held` refusal that asking
+    again within the window may change (a hold not come yet; not one the prefill marked `final`: freed there)."""
+    return not isinstance(answer, wire.ErrorReply) or answer.reason is not wire.Refusal.NOT_HELD or answer.final
