@@ -22,7 +22,7 @@ from kvbridge.serving.proxy.costs import (
     CostLearner,
 )
 from kvbridge.serving.proxy.prefix_index import PrefixIndex, prompt_blocks
-from kvbridge.serving.proxy.router import Router
+from kvbridge.serving.proxy.router import NoBackendError, Router
 from support.proxy import BODY, FakeBackend, prompt_key, proxy_for, running, wait_for
 
 # --- the prefix index -----------------------------------------------------------------------------------------
@@ -154,6 +154,20 @@ def test_selective_goes_direct_below_the_threshold_and_says_why():
     assert (always.path, always.reason, always.threshold) == ("disaggregated", "always", None)
     logprobs = router().route({"prompt": list(range(40))}, False, now=0, force_direct=True)
     assert (logprobs.path, logprobs.reason) == ("direct", "prompt_logprobs")
+
+
+def test_with_no_prefill_instance_up_selective_serves_straight_from_the_decode():
+    """A long prompt that selective disaggregation would send through a prefill instance goes straight to its
+    decode instance when none is up (the same output, not a 503); `always` still needs one (the control)."""
+    r = router(disaggregation="selective", direct_below_tokens=16)
+    (prefill,) = r.balancer.backends("prefill")
+    r.balancer.mark_down(prefill, "test")
+    down = r.route({"prompt": list(range(40))}, False, now=0)
+    assert (down.path, down.reason, down.prefill) == ("direct", "no_prefill", None)
+    always = router()
+    always.balancer.mark_down(always.balancer.backends("prefill")[0], "test")
+    with pytest.raises(NoBackendError):
+        always.route({"prompt": list(range(40))}, False, now=0)
 
 
 def learned(r: Router, rate: float = 1e4, transfer: float | None = 0.0, hop: float | None = 0.0) -> Router:

@@ -73,7 +73,7 @@ class ProxyMetrics:
         self.decisions = Counter(
             "kvbridge_proxy_decisions",
             "Sub-requests by path (direct: straight to a decode instance; disaggregated: prefill then decode) and "
-            "reason (below_threshold, decode_idle, at_or_above_threshold, always, prompt_logprobs)",
+            "reason (below_threshold, decode_idle, no_prefill, at_or_above_threshold, always, prompt_logprobs)",
             ["path", "reason"],
             registry=self.registry,
         )

@@ -36,7 +36,7 @@ from kvbridge.serving.proxy.prefix_index import PrefixIndex, PromptBlocks, promp
 
 DIRECT = "direct"
 DISAGGREGATED = "disaggregated"
-DIRECT_REASONS = ("below_threshold", "decode_idle", "prompt_logprobs")
+DIRECT_REASONS = ("below_threshold", "decode_idle", "no_prefill", "prompt_logprobs")
 """Reasons a sub-request goes straight to its decode instance."""
 
 
@@ -148,8 +148,10 @@ class Router:
             learned = cfg.direct_below_tokens is None
             if learned and queued_decode == 0 and decode.backend.outstanding == 0 and new <= prefill_new:
                 reason = "decode_idle"
-            else:
-                reason = "below_threshold" if new < threshold else "at_or_above_threshold"
+            elif new < threshold:
+                reason = "below_threshold"
+            else:  # no prefill instance up: the decode instance serves it (the same output), not a 503
+                reason = "at_or_above_threshold" if prefill is not None else "no_prefill"
         if reason in DIRECT_REASONS:
             prefill = None
         elif prefill is None:
