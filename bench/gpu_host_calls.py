@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -93,8 +94,10 @@ def main() -> int:
         torch.cuda.synchronize()
         medians[name] = statistics.median(times)
         print(f"{name:45} {medians[name]:8.1f} us")
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     record = {
         "command": [sys.executable, *sys.argv],
+        "commit": commit.stdout.strip() or None,  # None: a tree without git (a device run's archive)
         "machine": {"host": platform.node(), "gpu": torch.cuda.get_device_name(0), "cpus": os.cpu_count()},
         "median_us": medians,
     }

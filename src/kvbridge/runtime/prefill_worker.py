@@ -301,7 +301,7 @@ class PrefillWorker:
         `wait_s` (an idle step): with requests held and none finished, wait up to `wait_s` for a notification,
         an abort or an expiry first. vLLM steps the prefill engine continuously for as long as it holds a
         finished request's blocks (up to lease_s): without the wait its worker burns a core for every held
-        lease, and on a shared core it starves a decode worker (issue "Liveness")."""
+        lease, and on a shared core it starves a decode worker (docs/benchmarks/shared-cores.md)."""
         self._progress_once()
         if wait_s > 0:
             with self._lock:

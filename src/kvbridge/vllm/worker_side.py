@@ -183,7 +183,7 @@ class WorkerSide:
         held and none freed (prefill), wait up to `idle_wait_s` for one, rather than return at once. vLLM steps
         continuously while a load is pending or blocks are held; with the engine, its workers and their spinning
         waits ping-ponging through every core, other processes' threads (a prefill worker's side channel sharing
-        a core) waited 15 s on the run queue (issue "Liveness")."""
+        a core) waited 15 s on the run queue (docs/benchmarks/shared-cores.md)."""
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()

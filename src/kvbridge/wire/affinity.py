@@ -3,7 +3,7 @@
 vLLM pins a CPU worker process to its cores (VLLM_CPU_OMP_THREADS_BIND), where its threads spin between steps
 (shm_broadcast's busy loop, OpenMP's spin-wait); every thread the process starts inherits that affinity. When a
 prefill and a decode worker share a core, a side-channel thread pinned there waited seconds for it, and
-handshakes and claims timed out (issue "Liveness"). kvbridge's own threads are light (they answer in
+handshakes and claims timed out (docs/benchmarks/shared-cores.md). kvbridge's own threads are light (they answer in
 microseconds), so they run wherever a core is free: the threads call `unpin_this_thread`, and the ZMQ context
 (whose I/O thread is started with its first socket) is made `unpinned`.
 """
