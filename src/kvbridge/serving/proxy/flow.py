@@ -75,9 +75,9 @@ class Flow:
             route = self.router.route(sub.body, call.chat, time.monotonic(), force_direct=plan.direct)
         except NoBackendError as exc:
             raise LegFailed(503, error_json(503, "service_unavailable", str(exc))) from None
+        call.queued[sub.index] = route  # first: whatever happens next, the request's queued tokens are settled
         self._account(call, sub, route)
         call.routed[sub.index] = (route, time.monotonic())
-        call.queued[sub.index] = route
         decode = route.decode.backend
         if route.prefill is None:
             return None, decode
@@ -101,8 +101,8 @@ class Flow:
 
     @staticmethod
     def _computed(route: Route) -> int:
-        """Tokens the instance computing the sub-request computes of it."""
-        return route.new_tokens if route.prefill is None else route.prompt_tokens - route.prefill.held_tokens
+        """Tokens the instance computing the sub-request computes of it (its own place in that instance's queue)."""
+        return route.work.tokens if route.work is not None else 0
 
     def _first_token(self, call: Call, sub: SubRequest) -> None:
         """A sub-request's first chunk arrived: its compute has ended; streamed, its time from routing, by path, to
