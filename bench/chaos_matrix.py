@@ -241,10 +241,8 @@ def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: 
         ends = [leg.result() for leg in legs]
     terminal = [max(0.0, end - fault) for _, end, _ in ends]
     load_failed, reasons = failed_loads(decode, offset, fault_wall)
-    # the decode serving each prompt on its own, after the faulted requests (before them, its prefix cache would
-    # have served them: no load to fault); a killed decode's requests ended in errors, compared with nothing
-    reference = [decode_leg(decode, p, None)[0] for p in prompts]
-    wrong = sum(1 for (tokens, _, err), ref in zip(ends, reference, strict=True) if not err and tokens != ref)
+    # a killed decode's answers (those that came before the kill) are compared once it serves again
+    wrong = 0 if cell == "kill_decode" else wrong_answers(decode, prompts, ends)
     errors = [err for _, _, err in ends if err]
     result: dict[str, Any] = {
         "pair": pair,
@@ -272,6 +270,7 @@ def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: 
         settled_p = settle(prefill, base_p, LEASE_S + 40)  # claims pin for transfer_timeout_s + margin, then lease
         decode = servers.restart(dname)
         base_d = decode.kv_usage()
+        result["wrong"] = wrong_answers(decode, prompts, ends)
     left_p = not (settled_p if cell == "kill_decode" else settle(prefill, base_p, LEASE_S + 40))
     left_d = not settle(decode, base_d, 30)
     result["leaked"] = int(left_p) + int(left_d)
@@ -280,6 +279,13 @@ def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: 
     result["next"] = NEXT
     print(json.dumps(result), flush=True)
     return result
+
+
+def wrong_answers(decode: VllmServer, prompts: list[list[int]], ends: list) -> int:
+    """Answers whose tokens differ from `decode` serving the prompt on its own, asked after the faulted requests
+    (before them, its prefix cache would have served them: no load to fault); errors are compared with nothing."""
+    reference = [decode_leg(decode, p, None)[0] for p in prompts]
+    return sum(1 for (tokens, _, err), ref in zip(ends, reference, strict=True) if not err and tokens != ref)
 
 
 def next_served(prefill: VllmServer, decode: VllmServer, rng: random.Random) -> int:
