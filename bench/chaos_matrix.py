@@ -441,7 +441,8 @@ def table(report: dict[str, Any]) -> str:
         " crashed | next served |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in report["rows"]:
+    order = {name: i for i, name in enumerate((*PAIRS, *CELLS))}
+    for row in sorted(report["rows"], key=lambda r: (order.get(r["pair"], 99), order.get(r["cell"], 99))):
         if "failed" in row:
             lines.append(f"| {row['pair']} | {row['cell']} | not measured: {row['failed'][:80]} | | | | | | |")
             continue
@@ -474,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--append",
         action="store_true",
-        help="keep the rows of --out (an earlier run: fewer pairs per run keep each within the vLLM lock's turn)",
+        help="keep the rows of --out (an earlier run: fewer pairs per run keep each within the vLLM lock's turn), "
+        "but those of the pairs and cells run again",
     )
     args = parser.parse_args(argv)
     if args.table:
@@ -482,14 +484,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required")
-    pairs, cells = args.pairs.split(","), args.cells.split(",")
     root = Path(tempfile.mkdtemp(prefix="kvbridge-chaos-"))
     model = build_tiny_model(root / "model")
     rng = random.Random(args.seed)
     servers = Servers(model, root)
     earlier = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
     runs = earlier.get("runs", [_run_of(earlier)]) if earlier else []
-    rows: list[dict[str, Any]] = list(earlier["rows"]) if earlier else []
+    pairs, cells = args.pairs.split(","), args.cells.split(",")
+    again = {(pair, cell) for pair in pairs for cell in cells}
+    rows = [r for r in earlier["rows"] if (r["pair"], r["cell"]) not in again] if earlier else []
     started = time.time()
     needed = {name for pair in pairs for name in PAIRS[pair]}
     try:
@@ -497,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             for pair in pairs:
                 for cell in cells:
                     try:
-                        rows.append(run_cell(servers, pair, cell, rng, args.storm))
+                        rows.append({**run_cell(servers, pair, cell, rng, args.storm), "commit": commit()})
                     except Exception as exc:
                         rows.append({"pair": pair, "cell": cell, "failed": f"{type(exc).__name__}: {exc}"[:500]})
                         print(json.dumps(rows[-1]), flush=True)
