@@ -493,31 +493,31 @@ def main(argv: list[str] | None = None) -> int:
     pairs, cells = args.pairs.split(","), args.cells.split(",")
     again = {(pair, cell) for pair in pairs for cell in cells}
     rows = [r for r in earlier["rows"] if (r["pair"], r["cell"]) not in again] if earlier else []
-    started = time.time()
+    started, head = time.time(), commit()  # the code this run measures
     needed = {name for pair in pairs for name in PAIRS[pair]}
     try:
         with running([servers.servers[name] for name in needed]):
             for pair in pairs:
                 for cell in cells:
                     try:
-                        rows.append({**run_cell(servers, pair, cell, rng, args.storm), "commit": commit()})
+                        rows.append({**run_cell(servers, pair, cell, rng, args.storm), "commit": head})
                     except Exception as exc:
                         rows.append({"pair": pair, "cell": cell, "failed": f"{type(exc).__name__}: {exc}"[:500]})
                         print(json.dumps(rows[-1]), flush=True)
                     args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps(report(rows, runs, started), indent=1) + "\n")
+                    args.out.write_text(json.dumps(report(rows, runs, started, head), indent=1) + "\n")
     finally:
         servers.close()
     print(f"logs: {root}")
     return 0
 
 
-def report(rows: list[dict[str, Any]], earlier_runs: list[dict[str, Any]], started: float) -> dict[str, Any]:
-    """The results file: every row, and each run that made them (command, commit, times)."""
+def report(rows: list[dict[str, Any]], earlier_runs: list[dict[str, Any]], started: float, head: str) -> dict[str, Any]:
+    """The results file: every row, and each run that made them (command, commit at its start, times)."""
     run = {
         "command": "python " + " ".join(sys.argv),
         "host": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
-        "commit": commit(),
+        "commit": head,
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
