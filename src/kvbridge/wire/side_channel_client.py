@@ -71,10 +71,9 @@ def exchange(
     while attempt < attempts:
         attempt += 1
         try:
-            sock = _dealer(address, timeout_ms, max_answer_bytes)
+            sock, watch = _dealer(address, timeout_ms, max_answer_bytes)
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
-        watch = PeerWatch(sock)
         try:
             frame, ticket = sealer.seal_request(payload, dest) if sealer else (payload, b"")
             try:
@@ -293,8 +292,9 @@ class SideChannelClient:
         if sock is not None:
             self._sockets.move_to_end(address)
         else:
-            sock = self._sockets[address] = _dealer(address, timeout_ms, self.max_answer_bytes)
-            self._watches[address] = PeerWatch(sock, peer_alive=gone is None or not gone())
+            alive = gone is None or not gone()
+            sock, self._watches[address] = _dealer(address, timeout_ms, self.max_answer_bytes, alive)
+            self._sockets[address] = sock
         # Over the bound: close the least recently used, never this one or one this call still waits on (`busy`),
         # so a call to more peers than the bound exceeds it until the next call.
         excess = len(self._sockets) - self.max_sockets
@@ -356,10 +356,14 @@ def fetch_handshake(
         raise
 
 
-def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BYTES) -> zmq.Socket:
-    """A DEALER socket connected to `address` (an `endpoint`): no linger, sends time out after `timeout_ms`,
-    answers over `max_answer_bytes` cut. Closed again if the connect fails (zmq.ZMQError)."""
+def _dealer(
+    address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BYTES, peer_alive: bool = True
+) -> tuple[zmq.Socket, PeerWatch]:
+    """A DEALER socket connected to `address` (an `endpoint`), and its watch: no linger, sends time out after
+    `timeout_ms`, answers over `max_answer_bytes` cut. The watch is made before the connect: a connection made
+    first would show no events (its monitor misses them). Closed again if the connect fails (zmq.ZMQError)."""
     sock = zmq_context().socket(zmq.DEALER)
+    watch = None
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -368,11 +372,14 @@ def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BY
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)  # an idle one to a dead peer backs off
         if address.startswith("tcp://["):  # an IPv6 literal
             sock.setsockopt(zmq.IPV6, 1)
+        watch = PeerWatch(sock, peer_alive)
         sock.connect(address)
     except zmq.ZMQError:
+        if watch is not None:
+            watch.close()
         sock.close(linger=0)
         raise
-    return sock
+    return sock, watch
 
 
 GONE_CHECK_S = 0.02
