@@ -28,7 +28,7 @@ def process_start(pid: int) -> int | None:
     running (no such process, or it exited: a zombie whose parent has not reaped it yet) or /proc cannot be read.
     A pid and its start name one process: a pid used again has another start."""
     state = _stat(pid)
-    return None if state is None or state[0] in (b"Z", b"X") else int(state[19])
+    return None if state is None or _ending(state) else int(state[19])
 
 
 def process_gone(pid: int, started: int) -> bool:
@@ -40,7 +40,17 @@ def process_gone(pid: int, started: int) -> bool:
         state = _stat(pid, missing_ok=False)
     except FileNotFoundError:
         return True
-    return state is not None and (state[0] in (b"Z", b"X") or int(state[19]) != started)
+    return state is not None and (_ending(state) or int(state[19]) != started)
+
+
+_PF_EXITING = 0x4
+"""The kernel's flag of a task in exit (/proc's `flags`), set as it starts: its main thread may still be tearing
+down the memory, long before it is a zombie."""
+
+
+def _ending(state: list[bytes]) -> bool:
+    """Whether a /proc stat (after the command name) is of a process that exited or is exiting."""
+    return state[0] in (b"Z", b"X") or bool(int(state[6]) & _PF_EXITING)
 
 
 def _stat(pid: int, missing_ok: bool = True) -> list[bytes] | None:
