@@ -1,12 +1,14 @@
 """A kvbridge prefill worker in a process of its own, to kill, stop or restart under a decode worker.
 
 `PrefillProcess(port, engine, seed)` starts a spawned process holding a `PrefillWorker` whose KV (one CPU buffer,
-LBHNC) is seeded from `seed`; `hold` pins requests there; `kill`, `stop` (SIGSTOP), `resume` (SIGCONT) and
-`close` act on it. `kv(seed)` is what such a process's buffer holds, to tell whose bytes a decode read.
+LBHNC) is seeded from `seed`; `hold` pins requests there; `linger` makes its sockets outlive it (a child forked
+with them); `kill`, `stop` (SIGSTOP), `resume` (SIGCONT) and `close` act on it. `kv(seed)` is what such a
+process's buffer holds, to tell whose bytes a decode read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -32,18 +34,30 @@ def memory_of(buffer: torch.Tensor):
     return synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, BLOCKS, buffer.data_ptr())
 
 
-def _main(port: int, engine: str, seed: int, commands, ready) -> None:
+def _main(port: int, engine: str, seed: int, say_pid: bool, commands, ready) -> None:
     from kvbridge.runtime.prefill_worker import PrefillWorker
 
     buffer = kv(seed)
     config = BridgeConfig(side_channel_port=port, lease_s=60.0)
     worker = PrefillWorker(
         WorkerIdentity(engine, ParallelLayout(), 0, WorkerRank(0, 0), GEOMETRY), memory_of(buffer), config
-    ).start()
+    )
+    if not say_pid:  # as a prefill that does not say its process in the handshake
+        worker.process = (0, 0)
+    worker.start()
     ready.put((os.getpid(), time.time()))
     try:
         while (command := commands.get()) is not None:
-            request_id, blocks, token = command
+            if command[0] == "linger":
+                child = os.fork()
+                if child == 0:  # holds every socket of the worker, answers nothing, then goes
+                    try:
+                        time.sleep(command[1])
+                    finally:
+                        os._exit(0)
+                ready.put(child)
+                continue
+            _, request_id, blocks, token = command
             worker.hold(request_id, (tuple(blocks),), token=token, prompt_hash="h")
             ready.put(request_id)
     finally:
@@ -51,21 +65,34 @@ def _main(port: int, engine: str, seed: int, commands, ready) -> None:
 
 
 class PrefillProcess:
-    def __init__(self, port: int, engine: str, seed: int) -> None:
+    def __init__(self, port: int, engine: str, seed: int, say_pid: bool = True) -> None:
+        """`say_pid`: whether the worker says its process in the handshake (`HandshakeReply.pid`)."""
         ctx = mp.get_context("spawn")
         self._commands = ctx.Queue()
         self._ready = ctx.Queue()
-        self.process = ctx.Process(target=_main, args=(port, engine, seed, self._commands, self._ready), daemon=True)
+        self.process = ctx.Process(
+            target=_main, args=(port, engine, seed, say_pid, self._commands, self._ready), daemon=True
+        )
         self.process.start()
         self.pid, self.started = self._ready.get(timeout=60)
+        self._lingering: list[int] = []
 
     def hold(self, request_id: str, blocks: list[int], token: str) -> None:
-        self._commands.put((request_id, blocks, token))
+        self._commands.put(("hold", request_id, blocks, token))
         assert self._ready.get(timeout=10) == request_id
+
+    def linger(self, seconds: float) -> None:
+        """Fork a child that holds the worker's sockets (listening and accepted) for `seconds`, answering nothing:
+        once the worker is killed, its side channel accepts connections and stays silent, as a killed process's
+        does until the kernel has torn down its memory."""
+        self._commands.put(("linger", seconds))
+        self._lingering.append(self._ready.get(timeout=10))
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
-        self.process.join(10)
+        deadline = time.monotonic() + 10
+        while self.process.is_alive() and time.monotonic() < deadline:  # reaps it; join() would wait for a
+            time.sleep(0.001)  # lingering child too (it holds the process's sentinel pipe)
 
     def stop(self) -> None:
         os.kill(self.pid, signal.SIGSTOP)
@@ -80,3 +107,6 @@ class PrefillProcess:
             self.process.join(10)
         if self.process.is_alive():
             self.kill()
+        for child in self._lingering:  # reparented when the worker died: not ours to reap
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)

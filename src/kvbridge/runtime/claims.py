@@ -26,7 +26,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import groups_digest
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load
-from kvbridge.runtime.peers import Engine, address, identity
+from kvbridge.runtime.peers import Engine, address, gone_check, identity
 from kvbridge.transport.backoff import Backoff
 from kvbridge.wire import messages as wire
 from kvbridge.wire.side_channel_client import SideChannelClient
@@ -111,6 +111,7 @@ def claim_reads(
             msgspec.structs.replace(claim, wait_s=round(wait_s, 3)),
             [identity(source, r) for r in pending],
             while_waiting=while_waiting,
+            gone_checks=[gone_check(engine.peers[r]) for r in pending],  # a killed worker whose sockets linger
         )
         refused = []
         for rank, answer in zip(pending, answers, strict=True):

@@ -30,7 +30,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import IpcHandle, Region, WorkerMemory
 from kvbridge.core.plan import TransferPlan, make_plan
 from kvbridge.core.topology import ParallelLayout, WorkerRank
-from kvbridge.runtime.host import host_id
+from kvbridge.runtime.host import host_id, process_gone, process_start
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
@@ -68,6 +68,7 @@ class Peer:
     staging_slot_bytes: int = 0
     stream_port: int = 0  # its KV channel (`stream_server`), if it offers one
     started: float = 0.0  # unix time the worker started (its handshake's `started`; 0: not said)
+    process: tuple[int, int] | None = None  # (pid, start) of its process, seen in /proc here (same host), or None
 
 
 @dataclass
@@ -216,6 +217,7 @@ class PeerBook:
                 reply.staging_slot_bytes if staging is not None else 0,
                 reply.kv_stream_port,
                 reply.started,
+                _process(reply, same_host),
             )
         engine = Engine(key, layout, peers, self.plan(layout))
         engine.stream = not engine.same_host and not self.nixl_crosses_hosts
@@ -323,6 +325,23 @@ def check_run(source: PrefillDone, engine: Engine, ranks: tuple[WorkerRank, ...]
                 f"kv_transfer_params: remote_issued {source.remote_issued:.3f} precedes the start of prefill worker "
                 f"{rank} ({started:.3f}): params of an earlier run of engine {source.remote_engine_id}",
             )
+
+
+def _process(reply: wire.HandshakeReply, same_host: bool) -> tuple[int, int] | None:
+    """(pid, start) of the replying worker's process if this worker sees that very process (same host, same pid
+    namespace: the start it reads in /proc is the one the worker read), else None."""
+    if same_host and reply.pid and reply.pid_started and process_start(reply.pid) == reply.pid_started:
+        return reply.pid, reply.pid_started
+    return None
+
+
+def gone_check(peer: Peer) -> Callable[[], bool] | None:
+    """A check that `peer`'s process is gone (killed or exited, whatever its sockets still do), or None where this
+    worker cannot see its process."""
+    if peer.process is None:
+        return None
+    pid, started = peer.process
+    return lambda: process_gone(pid, started)
 
 
 def _done(engine: Engine) -> Future[Engine]:

@@ -29,7 +29,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.leases import LeaseBook
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.runtime.hold_times import HoldTimeline
-from kvbridge.runtime.host import has_nvidia_gpu, host_id, interface_of
+from kvbridge.runtime.host import has_nvidia_gpu, host_id, interface_of, process_start
 from kvbridge.runtime.staging import Stager
 from kvbridge.runtime.stream_server import KvStreamServer
 from kvbridge.runtime.waiting_claims import WaitingClaims
@@ -81,6 +81,7 @@ class PrefillWorker:
         self.key = key
         self.epoch = secrets.token_hex(8)
         self.started = time.time()  # before any params of this run are issued (the engine serves after start)
+        self.process = (os.getpid(), process_start(os.getpid()) or 0)  # (0, 0): not said in the handshake
         self._leases = LeaseBook(  # under _lock
             config.lease_s,
             early_ttl_s=config.early_note_s,
@@ -156,6 +157,8 @@ class PrefillWorker:
             staging_slot_bytes=self.stager.slot_bytes if self.stager else 0,
             model=ident.model,
             kv_stream_port=self.stream.port if self.stream else 0,
+            pid=self.process[0] if self.process[1] else 0,
+            pid_started=self.process[1],
         )
         sealer = (
             Sealer(self.key, window_s=self.config.auth_window_s, max_nonces=self.config.auth_max_nonces)

@@ -357,6 +357,11 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
     started: float = 0.0
     """Unix time the worker started (0: not said). kv_transfer_params issued before it (`remote_issued`) are of an
     earlier run of the engine on this address and are refused unread."""
+    pid: NonNegative = 0
+    """The worker's process id (0: not said), with `pid_started`, when it started in clock ticks after boot: a
+    reader on the same host (`host_id`) that sees this very process in /proc knows it is gone as soon as it is
+    killed, while the kernel may keep its sockets open and silent for a while."""
+    pid_started: NonNegative = 0
 
     def __post_init__(self) -> None:
         _check_worker(self)
@@ -383,6 +388,8 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
         model: ModelFingerprint | None = None,
         kv_stream_port: int = 0,
         started: float = 0.0,
+        pid: int = 0,
+        pid_started: int = 0,
     ) -> HandshakeReply:
         return cls(
             engine_id=engine_id,
@@ -401,6 +408,8 @@ class HandshakeReply(_Message, tag="handshake_reply", kw_only=True):
             model=_model(model),
             kv_stream_port=kv_stream_port,
             started=started,
+            pid=pid,
+            pid_started=pid_started,
         )
 
     def page_format(self) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import zmq
@@ -71,10 +71,9 @@ def exchange(
     while attempt < attempts:
         attempt += 1
         try:
-            sock = _dealer(address, timeout_ms, max_answer_bytes)
+            sock, watch = _dealer(address, timeout_ms, max_answer_bytes)
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
-        watch = PeerWatch(sock)
         try:
             frame, ticket = sealer.seal_request(payload, dest) if sealer else (payload, b"")
             try:
@@ -166,12 +165,15 @@ class SideChannelClient:
         message: wire.Message,
         identities: list[Identity] | None = None,
         while_waiting: Callable[[], None] | None = None,
+        gone_checks: Sequence[Callable[[], bool] | None] = (),
     ) -> list[wire.Message | Exception]:
         """Send `message` to every (host, port) and return, in order, each one's answer, or the error that
         stands for it (TransferTimeout after `1 + retries` attempts of `timeout_s`, ProtocolError...).
         `identities[i]`: the worker target i is (sealed requests are bound to it); default NO_IDENTITY.
         `while_waiting`: work to do once the first attempt is sent, before its answers are awaited (it must not
-        raise)."""
+        raise). `gone_checks[i]`: whether target i's process is gone, checked every GONE_CHECK_S while its answer is
+        awaited: a killed process's sockets may stay open, silent, until the kernel has torn down its memory, and
+        True ends the wait as a refused connection does (PeerGone)."""
         payload = wire.encode(message)
         addresses = [endpoint(host, port) for host, port in targets]
         dests = {
@@ -179,6 +181,7 @@ class SideChannelClient:
             for i, (host, port) in enumerate(targets)
         }
         answers: dict[str, wire.Message | Exception] = {}
+        checks = {addresses[i]: check for i, check in enumerate(gone_checks) if check is not None}
         skewed: set[str] = set()  # answered "stale" once: asked again, timed by the peer's clock
         timeout_ms = max(1, round(self.timeout_s * 1000))
         started = time.monotonic()
@@ -193,7 +196,7 @@ class SideChannelClient:
             nonces: dict[str, bytes] = {}
             for address in pending:
                 try:
-                    sock = self._socket(address, timeout_ms, polling.values())
+                    sock = self._socket(address, timeout_ms, polling.values(), checks.get(address))
                     sealed = self.sealer.seal_request(payload, dests[address]) if self.sealer else (payload, b"")
                     frame, nonces[address] = sealed
                     self._watches[address].clear()  # a reset before this message was reconnected since
@@ -213,7 +216,8 @@ class SideChannelClient:
                 poller.register(sock, zmq.POLLIN)
             deadline = time.monotonic() + self.timeout_s
             while polling and (left := deadline - time.monotonic()) > 0:
-                for sock, _ in poller.poll(max(1, round(left * 1000))):
+                wait = min(left, GONE_CHECK_S) if checks else left
+                for sock, _ in poller.poll(max(1, round(wait * 1000))):
                     if sock in watching:  # the peer's connection: refused (gone) or reset (a fresh socket)
                         address = watching[sock]
                         gone = self._watches[address].verdict() if address in self._watches else None
@@ -247,6 +251,16 @@ class SideChannelClient:
                     except (KVBridgeError, zmq.ZMQError) as exc:
                         self._drop(address)
                         answers[address] = exc
+                for sock, address in [(s, a) for s, a in polling.items() if self._dead_peer(a, checks)]:
+                    del polling[sock]
+                    poller.unregister(sock)
+                    if watching.pop(self._watches[address].monitor, None) is not None:
+                        poller.unregister(self._watches[address].monitor)
+                    self._drop(address)
+                    answers[address] = PeerGone(
+                        f"the process of the side channel {address} is gone ({type(message).__name__}, after "
+                        f"{time.monotonic() - started:.3f} s; its sockets may still be open)"
+                    )
             for address in polling.values():  # unanswered: a late answer must not meet the next message
                 self._drop(address)
                 logger.debug("side channel %s: attempt %d timed out", address, attempt)
@@ -265,13 +279,22 @@ class SideChannelClient:
         for address in list(self._sockets):
             self._drop(address)
 
-    def _socket(self, address: str, timeout_ms: int, busy: Collection[str]) -> zmq.Socket:
+    def _dead_peer(self, address: str, checks: dict[str, Callable[[], bool]]) -> bool:
+        """Whether `address`'s process is gone and its socket may still be talking to it (not to a new process
+        on the address: `PeerWatch.maybe_dead_peer`)."""
+        check = checks.get(address)
+        return check is not None and self._watches[address].maybe_dead_peer(GREET_S) and check()
+
+    def _socket(
+        self, address: str, timeout_ms: int, busy: Collection[str], gone: Callable[[], bool] | None = None
+    ) -> zmq.Socket:
         sock = self._sockets.get(address)
         if sock is not None:
             self._sockets.move_to_end(address)
         else:
-            sock = self._sockets[address] = _dealer(address, timeout_ms, self.max_answer_bytes)
-            self._watches[address] = PeerWatch(sock)
+            alive = gone is None or not gone()
+            sock, self._watches[address] = _dealer(address, timeout_ms, self.max_answer_bytes, alive)
+            self._sockets[address] = sock
         # Over the bound: close the least recently used, never this one or one this call still waits on (`busy`),
         # so a call to more peers than the bound exceeds it until the next call.
         excess = len(self._sockets) - self.max_sockets
@@ -333,10 +356,14 @@ def fetch_handshake(
         raise
 
 
-def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BYTES) -> zmq.Socket:
-    """A DEALER socket connected to `address` (an `endpoint`): no linger, sends time out after `timeout_ms`,
-    answers over `max_answer_bytes` cut. Closed again if the connect fails (zmq.ZMQError)."""
+def _dealer(
+    address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BYTES, peer_alive: bool = True
+) -> tuple[zmq.Socket, PeerWatch]:
+    """A DEALER socket connected to `address` (an `endpoint`), and its watch: no linger, sends time out after
+    `timeout_ms`, answers over `max_answer_bytes` cut. The watch is made before the connect: a connection made
+    first would show no events (its monitor misses them). Closed again if the connect fails (zmq.ZMQError)."""
     sock = zmq_context().socket(zmq.DEALER)
+    watch = None
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -345,12 +372,20 @@ def _dealer(address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BY
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)  # an idle one to a dead peer backs off
         if address.startswith("tcp://["):  # an IPv6 literal
             sock.setsockopt(zmq.IPV6, 1)
+        watch = PeerWatch(sock, peer_alive)
         sock.connect(address)
     except zmq.ZMQError:
+        if watch is not None:
+            watch.close()
         sock.close(linger=0)
         raise
-    return sock
+    return sock, watch
 
+
+GONE_CHECK_S = 0.02
+"""How often `SideChannelClient.exchange_all` asks whether a peer's process is gone while it awaits its answer."""
+GREET_S = 0.2
+"""A connection that has not completed ZMQ's handshake this long after it was made reaches no live process."""
 
 RECONNECT_MS = 20
 """A client socket's reconnect interval after its connection dropped (ZMQ's default: 100 ms): a message waits
