@@ -217,3 +217,24 @@ def test_a_prefill_restarted_on_the_same_address_refuses_the_old_runs_params_unr
 def view(buffer: torch.Tensor) -> torch.Tensor:
     """[layer, block, rest] of an LBHNC buffer."""
     return buffer.view(2, 16, -1)
+
+
+@pytest.mark.parametrize("issued", [True, False])
+def test_a_restarted_prefill_answers_a_claim_of_the_old_runs_params_at_once(side, issued):
+    """The decode has the engine cached when its prefill restarts on the same address (same engine id) and a
+    request of the old run is claimed: the new run answers at once (the claim says when its params were issued),
+    with its epoch; the decode handshakes again and refuses the params unread, within a second. Negative control
+    (params without remote_issued): the new run can only say not held, and the claim waits out its window (3 s)."""
+    make_decode, make_prefill, port = side
+    decode, buffer = make_decode(claim_window_s=3.0)
+    old = make_prefill(seed=1)
+    warm(decode, old, port)  # LOCAL now holds the old run's bytes of BLOCKS
+    old.hold("old", BLOCKS, "token-old")
+    stale = job(port, "old", issued=time.time() if issued else 0.0)
+    old.kill()
+    make_prefill(seed=2)
+    ended = outcomes(decode, [stale])["decode-old"]
+    print("old params after a restart:", ended)
+    assert not ended[0]
+    assert torch.equal(view(buffer)[:, list(LOCAL)], view(kv(1))[:, BLOCKS])  # nothing of the new run written
+    assert ended[1] < 0.6 if issued else ended[1] >= 2.9, ended  # 0.6: not even one 0.8 s wait for a hold

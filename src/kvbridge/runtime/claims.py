@@ -96,6 +96,7 @@ def claim_reads(
         prompt_hash=source.remote_prompt_hash,
         read_timeout_s=max(0.0, load.deadline - time.monotonic()),
         blocks_digest=groups_digest(source.group_block_ids),
+        issued=source.remote_issued,
     )
     load.claim_sent = time.monotonic()
     load.block_arrays = None  # checked for this engine only (a restarted one is claimed again)
@@ -117,9 +118,10 @@ def claim_reads(
         for rank, answer in zip(pending, answers, strict=True):
             if isinstance(answer, Exception):
                 raise answer
+            epoch = answer.epoch if isinstance(answer, (wire.Ack, wire.ErrorReply)) else ""
+            if epoch and epoch != engine.peers[rank].epoch:  # another run on the address: handshake again
+                return rank
             if isinstance(answer, wire.Ack):
-                if answer.epoch and answer.epoch != engine.peers[rank].epoch:
-                    return rank
                 continue
             text = answer.message if isinstance(answer, wire.ErrorReply) else repr(answer)
             if ends_the_claim(answer):

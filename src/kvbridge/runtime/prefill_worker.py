@@ -227,6 +227,8 @@ class PrefillWorker:
         request_id = message.request_id
         if wait_s <= 0 or self._leases.holds(request_id) or self._leases.freed(request_id, message.token):
             return None
+        if message.issued and message.issued < self.started:  # params of an earlier run here: no hold will come
+            return None
         return self._waiting.keep(message, now + wait_s)
 
     def take_phases(self) -> list[tuple[float, float, float]]:
@@ -247,12 +249,12 @@ class PrefillWorker:
                         self._wake.set()  # the progress thread answers it once its wait passed
                         return later
                     answer = self._claim(message, now)
-                    if (
-                        isinstance(answer, wire.ErrorReply)
-                        and answer.reason is wire.Refusal.NOT_HELD
-                        and self._leases.freed(message.request_id, message.token)
-                    ):  # its token's holder may know: the request is gone here, no claim window will change that
-                        answer = msgspec.structs.replace(answer, final=True)
+                    if isinstance(answer, wire.ErrorReply):
+                        # its token's holder may know: the request is gone here, no claim window changes that
+                        final = answer.reason is wire.Refusal.NOT_HELD and self._leases.freed(
+                            message.request_id, message.token
+                        )
+                        answer = msgspec.structs.replace(answer, final=final, epoch=self.epoch)
                     return answer
             case wire.Notify():
                 # Readers that copied through CUDA IPC made no NIXL transfer to carry their notification.
@@ -391,7 +393,9 @@ class PrefillWorker:
             lapsed = self._waiting.lapsed(now) if self._waiting else []
             self._leases.refused_total += len(lapsed)
         for later in lapsed:
-            later.give(wire.ErrorReply(message="claim refused: not_held", reason=wire.Refusal.NOT_HELD))
+            later.give(
+                wire.ErrorReply(message="claim refused: not_held", reason=wire.Refusal.NOT_HELD, epoch=self.epoch)
+            )
         if self.stager is not None:  # sessions of requests freed, or whose pin lapsed, give their slots back
             self.stager.drop(done | expired, now)
         if expired:

@@ -102,6 +102,9 @@ class Claim(_Message, tag="claim", kw_only=True):
     """How long the prefill worker may keep the claim of a request it does not hold yet, answering it once the hold
     comes (it learns of a hold one engine step after the client got the params): the reader waits on that answer
     instead of retrying. 0: answer at once (and an older prefill worker always answers at once)."""
+    issued: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """When the prefill issued the params claimed (their `remote_issued`; 0: not said): a worker started after
+    that is another run, which never held the request, and answers at once instead of waiting for its hold."""
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -212,6 +215,10 @@ class ErrorReply(_Message, tag="error", kw_only=True):
     """A `not_held` claim refusal that asking again cannot change: the request was held here with the claim's token
     and is freed (read, aborted or expired). An older peer never says it (the reader then retries within its
     claim window)."""
+    epoch: str = ""
+    """The answering worker's epoch, on a claim's refusal (see HandshakeReply): a reader that cached another one
+    (the worker restarted on its address) handshakes again rather than asking the new run for the old one's
+    request."""
 
 
 Message = (
