@@ -251,7 +251,9 @@ class SideChannelClient:
                     except (KVBridgeError, zmq.ZMQError) as exc:
                         self._drop(address)
                         answers[address] = exc
-                for sock, address in [(s, a) for s, a in polling.items() if self._dead_peer(a, checks)]:
+                # a claim answered within GONE_CHECK_S (the healthy case, under a millisecond) costs no check
+                waited = checks and time.monotonic() - deadline + self.timeout_s >= GONE_CHECK_S
+                for sock, address in [(s, a) for s, a in polling.items() if waited and self._dead_peer(a, checks)]:
                     del polling[sock]
                     poller.unregister(sock)
                     if watching.pop(self._watches[address].monitor, None) is not None:
