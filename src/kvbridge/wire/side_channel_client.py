@@ -214,7 +214,8 @@ class SideChannelClient:
             poller = zmq.Poller()
             for sock in (*polling, *watching):
                 poller.register(sock, zmq.POLLIN)
-            deadline = time.monotonic() + self.timeout_s
+            polled = time.monotonic()  # this attempt's wait for its answers began
+            deadline = polled + self.timeout_s
             while polling and (left := deadline - time.monotonic()) > 0:
                 wait = min(left, GONE_CHECK_S) if checks else left
                 for sock, _ in poller.poll(max(1, round(wait * 1000))):
@@ -252,7 +253,7 @@ class SideChannelClient:
                         self._drop(address)
                         answers[address] = exc
                 # a claim answered within GONE_CHECK_S (the healthy case, under a millisecond) costs no check
-                waited = checks and time.monotonic() - deadline + self.timeout_s >= GONE_CHECK_S
+                waited = bool(checks) and time.monotonic() - polled >= GONE_CHECK_S
                 for sock, address in [(s, a) for s, a in polling.items() if waited and self._dead_peer(a, checks)]:
                     del polling[sock]
                     poller.unregister(sock)
