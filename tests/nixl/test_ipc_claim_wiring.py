@@ -19,8 +19,7 @@ from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.serving.launcher import free_base_port
-from kvbridge.wire.params import PrefillDone
-from support.prefill_process import GEOMETRY, PrefillProcess, kv, memory_of
+from support.prefill_process import GEOMETRY, PrefillProcess, kv, memory_of, params_of
 
 pytestmark = pytest.mark.nixl
 
@@ -28,16 +27,7 @@ BLOCKS = [1, 2, 3]
 
 
 def job(port: int, request_id: str, prompt_hash: str = "h") -> LoadJob:
-    source = PrefillDone(
-        remote_engine_id="prefill-a",
-        remote_request_id=request_id,
-        remote_block_ids=BLOCKS,
-        remote_host="127.0.0.1",
-        remote_port=port,
-        remote_layout="pp=1,tp=1",
-        remote_token=f"token-{request_id}",
-        remote_prompt_hash=prompt_hash,
-    )
+    source = params_of(port, request_id, BLOCKS, prompt_hash=prompt_hash)
     return LoadJob(f"decode-{request_id}", source, ((4, 5, 6),), (tuple(BLOCKS),))
 
 

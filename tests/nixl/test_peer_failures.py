@@ -20,7 +20,7 @@ from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire.params import PrefillDone
-from support.prefill_process import GEOMETRY, PrefillProcess, kv, memory_of
+from support.prefill_process import GEOMETRY, PrefillProcess, kv, memory_of, params_of
 
 pytestmark = pytest.mark.nixl
 
@@ -61,17 +61,7 @@ def side():
 
 
 def source(port: int, request_id: str, issued: float = 0.0) -> PrefillDone:
-    return PrefillDone(
-        remote_engine_id=ENGINE,
-        remote_request_id=request_id,
-        remote_block_ids=BLOCKS,
-        remote_host="127.0.0.1",
-        remote_port=port,
-        remote_layout="pp=1,tp=1",
-        remote_token=f"token-{request_id}",
-        remote_prompt_hash="h",
-        remote_issued=issued,
-    )
+    return params_of(port, request_id, BLOCKS, engine=ENGINE, issued=issued)
 
 
 def job(port: int, request_id: str, issued: float = 0.0) -> LoadJob:

@@ -20,6 +20,7 @@ from kvbridge.core.config import BridgeConfig
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.wire.params import PrefillDone
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
 BLOCKS = 16
@@ -28,6 +29,24 @@ NUMEL = 2 * BLOCKS * 2 * GEOMETRY.block_size * 2 * GEOMETRY.head_size
 
 def kv(seed: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
+
+
+def params_of(
+    port: int, request_id: str, blocks: list[int], *, engine: str = "prefill-a", issued: float = 0.0, prompt_hash="h"
+) -> PrefillDone:
+    """The kv_transfer_params a `PrefillProcess` on `port` hands out for `request_id` held on `blocks` with token
+    `token-<request_id>` (`hold`'s prompt hash is "h": another `prompt_hash` is refused as a mismatch)."""
+    return PrefillDone(
+        remote_engine_id=engine,
+        remote_request_id=request_id,
+        remote_block_ids=blocks,
+        remote_host="127.0.0.1",
+        remote_port=port,
+        remote_layout="pp=1,tp=1",
+        remote_token=f"token-{request_id}",
+        remote_prompt_hash=prompt_hash,
+        remote_issued=issued,
+    )
 
 
 def memory_of(buffer: torch.Tensor):
