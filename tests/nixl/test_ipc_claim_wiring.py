@@ -19,6 +19,7 @@ from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.serving.launcher import free_base_port
+from support.fake_gpu_reader import FakeReader
 from support.prefill_process import GEOMETRY, PrefillProcess, kv, memory_of, params_of
 
 pytestmark = pytest.mark.nixl
@@ -42,33 +43,6 @@ def reported(decode: DecodeWorker, within_s: float) -> tuple[set[str], set[str]]
     return done, failed
 
 
-class _Kernels:
-    """The fake reader's end event: done when the test says."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-    def synchronize(self) -> None:
-        self.done.wait(30)
-
-    def elapsed_time(self, end) -> float:
-        return 0.1
-
-
-class _Reader:
-    stream = SimpleNamespace(synchronize=lambda: None)
-
-    def __init__(self) -> None:
-        self.ends: list[_Kernels] = []
-        self.launched = threading.Event()
-
-    def launch(self, live, remote, local):
-        end = _Kernels()
-        self.ends.append(end)
-        self.launched.set()
-        return _Kernels(), end
-
-
 @pytest.fixture
 def ipc_side():
     """A decode worker whose engine "prefill-a" (a real prefill process, its first load read through NIXL) is
@@ -89,7 +63,7 @@ def ipc_side():
         decode.close()
         prefill.close()
         raise
-    reader = _Reader()
+    reader = FakeReader()
     ipc = IpcReads(decode.identity, decode.memory, (), loaded=decode._copied, failed=decode._fail).start(reader)
     answered = threading.Event()
     claim_done = ipc.claim_done

@@ -11,34 +11,7 @@ import pytest
 
 from kvbridge.runtime.ipc_reads import IpcReads
 from kvbridge.runtime.load import Load, LoadJob
-
-
-class _Event:
-    """A kernel's end event: `synchronize` blocks until the test finishes the kernel."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-    def synchronize(self) -> None:
-        self.done.wait(10)
-
-    def elapsed_time(self, end) -> float:
-        return 0.5  # ms
-
-
-class _Reader:
-    stream = SimpleNamespace(synchronize=lambda: None)
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.ends: list[_Event] = []
-
-    def launch(self, live, remote, local):
-        if self.fail:
-            raise RuntimeError("launch failed")
-        end = _Event()
-        self.ends.append(end)
-        return _Event(), end
+from support.fake_gpu_reader import FakeReader
 
 
 class _Reports:
@@ -63,7 +36,7 @@ class _Reports:
 def ipc():
     reports = _Reports()
     reads = IpcReads(None, None, (), loaded=reports.on_loaded, failed=reports.on_failed)
-    reader = _Reader()
+    reader = FakeReader()
     reads.start(reader)
     yield reads, reader, reports
     for end in reader.ends:
@@ -117,7 +90,7 @@ def test_a_refused_claim_fails_the_load_only_once_its_kernels_are_done(ipc):
 def test_a_failed_launch_during_the_claim_is_reported_once_after_it():
     reports = _Reports()
     reads = IpcReads(None, None, (), loaded=reports.on_loaded, failed=reports.on_failed)
-    reads.start(_Reader(fail=True))
+    reads.start(FakeReader(fail=True))
     try:
         load = a_load()
         reads.launch(load, claim_open=True)
