@@ -90,7 +90,7 @@ class Flow:
             raise
         finally:
             self._settle(call, sub)
-        self.router.learner.prefill_leg(time.monotonic() - started, route.queued + self._computed(route))
+        self.router.learner.prefill_leg(time.monotonic() - started, route.computed_first)
         return params, decode
 
     def _settle(self, call: Call, sub: SubRequest) -> None:
@@ -98,11 +98,6 @@ class Flow:
         route = call.queued.pop(sub.index, None)
         if route is not None:
             self.router.settle(route)
-
-    @staticmethod
-    def _computed(route: Route) -> int:
-        """Tokens the instance computing the sub-request computes of it (its own place in that instance's queue)."""
-        return route.work.tokens if route.work is not None else 0
 
     def _first_token(self, call: Call, sub: SubRequest) -> None:
         """A sub-request's first chunk arrived: its compute has ended; streamed, its time from routing, by path, to
@@ -112,8 +107,7 @@ class Flow:
         if routed is None or not call.stream:
             return
         route, started = routed
-        computed = route.queued + self._computed(route)
-        self.router.learner.first_token(route.path, time.monotonic() - started, computed, route.new_tokens)
+        self.router.learner.first_token(route.path, time.monotonic() - started, route.computed_first, route.new_tokens)
 
     def _account(self, call: Call, sub: SubRequest, route: Route) -> None:
         """Every decision is logged (one line that explains it) and counted."""

@@ -87,6 +87,12 @@ class Route:
     """This request's own tokens in that instance's queue, until `Router.settle`."""
 
     @property
+    def computed_first(self) -> int:
+        """Tokens the instance computing the request computes before its first token: those queued ahead of it
+        and its own."""
+        return self.queued + (self.work.tokens if self.work is not None else 0)
+
+    @property
     def path(self) -> str:
         return DIRECT if self.prefill is None else DISAGGREGATED
 
