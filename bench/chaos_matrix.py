@@ -332,9 +332,10 @@ def link_down(model: Path, root: Path, pair: str, rng: random.Random) -> dict[st
                 subprocess.run(["ip", "link", "set", ph.link, "down"], check=True)
 
             try:
-                with slowed(dh), ThreadPoolExecutor(AFFECTED) as pool:
-                    legs = [pool.submit(decode_leg, decode, p, q) for p, q in zip(prompts, params, strict=True)]
-                    in_flight = when_sent(ph.tx_bytes, CUT_AFTER, down)
+                with ThreadPoolExecutor(AFFECTED) as pool:
+                    with slowed(dh):  # shaped until the cut: the KV stops there, the decode's traffic does not
+                        legs = [pool.submit(decode_leg, decode, p, q) for p, q in zip(prompts, params, strict=True)]
+                        in_flight = when_sent(ph.tx_bytes, CUT_AFTER, down)
                     ends = [leg.result() for leg in legs]
             finally:
                 subprocess.run(["ip", "link", "set", ph.link, "up"], capture_output=True)
