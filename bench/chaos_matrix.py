@@ -216,6 +216,27 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def outcome(
+    pair: str, cell: str, terminal: list[float], ends: list, wrong: int, errors_expected: bool, load_failed, reasons
+) -> dict[str, Any]:
+    """A faulted cell's row: how its requests ended and how soon its loads were seen failed."""
+    errors = [err for _, _, err in ends if err]
+    return {
+        "pair": pair,
+        "cell": cell,
+        "affected": AFFECTED,
+        "terminal_s": [round(t, 3) for t in terminal],
+        "terminal_p50_s": round(statistics.median(terminal), 3),
+        "terminal_p99_s": round(percentile(terminal, 0.99), 3),
+        "wrong": wrong,
+        "errors": len(errors),
+        "errors_expected": errors_expected,
+        "error_texts": errors[:3],
+        "load_failed_s": load_failed,
+        "load_failure_reasons": reasons[:4],
+    }
+
+
 def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: int = STORM) -> dict[str, Any]:
     if cell == "abort_storm":
         return abort_storm(servers, pair, rng, storm)
@@ -253,21 +274,7 @@ def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: 
     load_failed, reasons = failed_loads(decode, offset, fault_wall)
     # a killed decode's answers (those that came before the kill) are compared once it serves again
     wrong = 0 if cell == "kill_decode" else wrong_answers(decode, prompts, ends)
-    errors = [err for _, _, err in ends if err]
-    result: dict[str, Any] = {
-        "pair": pair,
-        "cell": cell,
-        "affected": AFFECTED,
-        "terminal_s": [round(t, 3) for t in terminal],
-        "terminal_p50_s": round(statistics.median(terminal), 3),
-        "terminal_p99_s": round(percentile(terminal, 0.99), 3),
-        "wrong": wrong,
-        "errors": len(errors),
-        "errors_expected": errors_expected,
-        "error_texts": errors[:3],
-        "load_failed_s": load_failed,
-        "load_failure_reasons": reasons[:4],
-    }
+    result = outcome(pair, cell, terminal, ends, wrong, errors_expected, load_failed, reasons)
     if cell == "restart_prefill":
         result["restart_s"] = round(restart_s, 1)
     # recover the pair, then check blocks and health
@@ -342,22 +349,8 @@ def link_down(model: Path, root: Path, pair: str, rng: random.Random) -> dict[st
             terminal = [max(0.0, end - cut["at"]) for _, end, _ in ends]
             load_failed, reasons = failed_loads(decode, offset, cut["wall"])
             wrong = wrong_answers(decode, prompts, ends)
-            errors = [err for _, _, err in ends if err]
-            result: dict[str, Any] = {
-                "pair": pair,
-                "cell": "link_down",
-                "affected": AFFECTED,
-                "cut_after_bytes": in_flight,
-                "terminal_s": [round(t, 3) for t in terminal],
-                "terminal_p50_s": round(statistics.median(terminal), 3),
-                "terminal_p99_s": round(percentile(terminal, 0.99), 3),
-                "wrong": wrong,
-                "errors": len(errors),
-                "errors_expected": False,
-                "error_texts": errors[:3],
-                "load_failed_s": load_failed,
-                "load_failure_reasons": reasons[:4],
-            }
+            result = outcome(pair, "link_down", terminal, ends, wrong, False, load_failed, reasons)
+            result["cut_after_bytes"] = in_flight
             left_p = not settle(prefill, base_p, LEASE_S + 40)
             left_d = not settle(decode, base_d, 30)
             result["leaked"] = int(left_p) + int(left_d)
