@@ -228,3 +228,95 @@ def test_a_restarted_prefill_answers_a_claim_of_the_old_runs_params_at_once(side
     assert not ended[0]
     assert torch.equal(view(buffer)[:, list(LOCAL)], view(kv(1))[:, BLOCKS])  # nothing of the new run written
     assert ended[1] < 0.6 if issued else ended[1] >= 2.9, ended  # 0.6: not even one 0.8 s wait for a hold
+
+
+STALLED = (8, 9, 10)  # decode blocks a load from a silent prefill would write
+SENTINEL = -7.0
+TIMEOUT_S = 4.0  # transfer_timeout_s where the load's deadline is what ends it
+
+
+def stalled_job(port: int, request_id: str) -> LoadJob:
+    return LoadJob(f"decode-{request_id}", source(port, request_id), (STALLED,), (tuple(BLOCKS),))
+
+
+def stop_mid_read(side, liveness_s: float) -> tuple[DecodeWorker, torch.Tensor, PrefillProcess, tuple[bool, float]]:
+    """A load whose READs run on a stopped prefill: with claims off they are posted onto it (UCX over tcp serves a
+    READ only when its target progresses: they run and make no progress, as READs in flight when a prefill stops
+    do). Its blocks hold SENTINEL before. The prefill runs again once the load is reported. Returns the decode, its
+    buffer, the prefill and the load's (loaded, seconds from queueing to its report)."""
+    make_decode, make_prefill, port = side
+    decode, buffer = make_decode(
+        verify_requests=False, transfer_timeout_s=TIMEOUT_S, read_liveness_s=liveness_s, dead_engine_s=0.5
+    )
+    prefill = make_prefill(seed=1)
+    warm(decode, prefill, port)
+    view(buffer)[:, list(STALLED)] = SENTINEL
+    prefill.stop()
+    try:
+        ended = outcomes(decode, [stalled_job(port, "stalled")])["decode-stalled"]
+    finally:
+        prefill.resume()
+    return decode, buffer, prefill, ended
+
+
+@pytest.mark.parametrize("liveness_s", [0.5, 0.0])
+def test_a_prefill_stopped_while_its_reads_run_fails_them_within_three_seconds(side, caplog, liveness_s):
+    """NIXL says nothing of a READ that makes no progress: the decode asks the side channel of a worker whose READs
+    have run past read_liveness_s whether it is there, and one that does not answer within the answer deadline (2
+    s) fails the loads reading from it (its agent removed first, its engine known dead). Negative control
+    (read_liveness_s 0): the load waits out transfer_timeout_s (4 s here), then its fence's flush READ as long."""
+    _, _, _, ended = stop_mid_read(side, liveness_s)
+    print(f"stopped prefill, READs in flight, read_liveness_s {liveness_s}: load failed after {ended[1]:.3f} s")
+    assert not ended[0]
+    if liveness_s:
+        assert ended[1] < SILENT_S, ended
+        assert "silent while READs from it ran" in caplog.text
+    else:
+        assert ended[1] > TIMEOUT_S, ended
+        assert "silent" not in caplog.text
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="NIXL 1.5.1 closes a removed agent's endpoint in UCX's flush mode: a GET stalled on a stopped prefill "
+    "stays queued and lands once the prefill runs again (docs/failures.md)",
+)
+@pytest.mark.parametrize("liveness_s", [0.5, 0.0])
+def test_a_read_from_a_stopped_prefill_writes_nothing_after_its_load_failed(side, liveness_s):
+    """The fence after a silent prefill: its agent removed, then the load reported failed. Once the prefill runs
+    again and a later load has progressed the decode's agent, the failed load's blocks must still hold their
+    sentinel. Both the liveness check and the load's deadline (read_liveness_s 0) end in the same removal."""
+    decode, buffer, prefill, ended = stop_mid_read(side, liveness_s)
+    assert not ended[0]
+    time.sleep(0.6)  # past dead_engine_s: the next load connects again
+    prefill.hold("after", BLOCKS, "token-after")
+    assert outcomes(decode, [job(prefill_port(decode), "after")])["decode-after"][0]
+    assert (view(buffer)[:, list(STALLED)] == SENTINEL).all(), "a READ of the failed load wrote after its report"
+
+
+def prefill_port(decode: DecodeWorker) -> int:
+    return decode.config.side_channel_port
+
+
+STALL_S = 3.5  # longer than read_liveness_s plus the answer deadline (2.5 s)
+
+
+def test_a_live_prefill_whose_reads_stall_keeps_its_load(side, caplog):
+    """A prefill whose NIXL agent serves no READ for STALL_S while its side channel answers (alive, slow): its
+    worker is asked, answers, and the load is kept, loading the right bytes once its READs run again. The control
+    is the stopped prefill above, whose load fails within 3 s."""
+    make_decode, make_prefill, port = side
+    decode, buffer = make_decode()
+    prefill = make_prefill(seed=1)
+    warm(decode, prefill, port)
+    prefill.hold("slow", BLOCKS, "token-slow")
+    prefill.stall_reads(STALL_S)
+    ended = outcomes(decode, [stalled_job(port, "slow")])["decode-slow"]
+    print(
+        f"live prefill, READs stalled {STALL_S} s: loaded {ended[0]} after {ended[1]:.3f} s, asked "
+        f"{decode.nixl.liveness.asked} times"
+    )
+    assert ended[0] and ended[1] > SILENT_S, ended
+    assert decode.nixl.liveness.asked >= 2  # asked, answered, asked again while its READs ran
+    assert torch.equal(view(buffer)[:, list(STALLED)], view(kv(1))[:, BLOCKS])
+    assert "silent" not in caplog.text

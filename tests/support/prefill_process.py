@@ -2,7 +2,8 @@
 
 `PrefillProcess(port, engine, seed)` starts a spawned process holding a `PrefillWorker` whose KV (one CPU buffer,
 LBHNC) is seeded from `seed`; `hold` pins requests there; `linger` makes its sockets outlive it (a child forked
-with them); `kill`, `stop` (SIGSTOP), `resume` (SIGCONT) and `close` act on it. `kv(seed)` is what such a
+with them); `stall_reads` keeps its NIXL agent from serving READs a while (its side channel still answers);
+`kill`, `stop` (SIGSTOP), `resume` (SIGCONT) and `close` act on it. `kv(seed)` is what such a
 process's buffer holds, to tell whose bytes a decode read.
 """
 
@@ -12,6 +13,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -76,6 +78,18 @@ def _main(port: int, engine: str, seed: int, say_pid: bool, commands, ready) -> 
                         os._exit(0)
                 ready.put(child)
                 continue
+            if command[0] == "stall_reads":  # UCX over tcp serves READs only when the worker progresses its agent
+                taken = threading.Event()
+
+                def stall(seconds: float = command[1], taken: threading.Event = taken) -> None:
+                    with worker._progress_lock:
+                        taken.set()
+                        time.sleep(seconds)
+
+                threading.Thread(target=stall, daemon=True).start()
+                taken.wait()
+                ready.put("stalled")
+                continue
             _, request_id, blocks, token = command
             worker.hold(request_id, (tuple(blocks),), token=token, prompt_hash="h")
             ready.put(request_id)
@@ -106,6 +120,13 @@ class PrefillProcess:
         does until the kernel has torn down its memory."""
         self._commands.put(("linger", seconds))
         self._lingering.append(self._ready.get(timeout=10))
+
+    def stall_reads(self, seconds: float) -> None:
+        """Keep the worker from progressing its NIXL agent for `seconds` (from now): READs from it make no
+        progress (UCX over tcp needs the target's), while its side channel answers as usual: a live prefill whose
+        READs are slow."""
+        self._commands.put(("stall_reads", seconds))
+        assert self._ready.get(timeout=10) == "stalled"
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)

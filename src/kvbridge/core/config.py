@@ -57,6 +57,16 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     exceed it by that margin. The decode side adds the load's bytes in flight at a floor rate (0.1 GB/s, at most
     300 s more; `runtime.nixl_reads.ReadBudget`), so that a slow transport gives slow loads, not failed ones."""
 
+    read_liveness_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.5
+    """Decode side: NIXL READs in flight on a prefill worker for this long get the worker's side channel asked
+    whether its process runs (a `Ping`), again every as long while they run. NIXL gives no progress signal for a
+    READ, and a silent prefill (a stopped process, a host or link down) leaves it running until the load's
+    deadline; a worker that does not answer within the answer deadline and its retries (`(1 + handshake_retries) *
+    handshake_timeout_s`), or whose process is gone, fails every load reading from it, as its deadline would (the
+    agent is removed before the loads are reported), and its engine is known dead for dead_engine_s. A silent
+    prefill then costs at most this plus the answer deadline (2.5 s by default); a slow one that answers keeps its
+    loads. READs done sooner cost nothing. 0: never asked (the load's deadline alone ends it)."""
+
     verify_requests: bool = True
     """Before reading, ask each prefill worker whether it still holds the request with these blocks (one
     side-channel round trip per worker): a late or forged request then fails cleanly instead of reading blocks

@@ -25,6 +25,9 @@ IPC on one host). Threads, so that nothing slow stands in front of a transfer:
   finish.
 - the notifier (`notifier.Notifier`): sends notifications and aborts over the side channel (a dead peer's timeouts
   delay no load).
+- READs that run past `read_liveness_s`: the transfer thread has their prefill workers asked, on the handshake
+  pool, whether they are there (`read_liveness.ReadLiveness`); one silent or gone fails the loads reading from it
+  as their deadline would (`NixlReads`).
 Nothing here raises into the engine.
 """
 
@@ -50,6 +53,7 @@ from kvbridge.runtime.nixl_reads import NixlReads
 from kvbridge.runtime.notifier import Notifier
 from kvbridge.runtime.peers import Engine, PeerBook, check_run, engine_key
 from kvbridge.runtime.read_budget import ReadBudget, block_bytes
+from kvbridge.runtime.read_liveness import ReadLiveness
 from kvbridge.runtime.stream_reads import StreamReads
 from kvbridge.runtime.transfer_stats import TransferStats
 from kvbridge.transport.backoff import Backoff
@@ -145,6 +149,7 @@ class DecodeWorker:
             tell=self.notifier.tell,
             sealer=self.sealer,
             regions=self._regions,
+            liveness=self._liveness(),
         )
         self.budget = ReadBudget(config, block_bytes(memory))  # deadlines that grow with the bytes in flight
         self.ipc: IpcReads | None = None  # when this worker may read through CUDA IPC (from start())
@@ -243,6 +248,13 @@ class DecodeWorker:
         if self.stream is not None:  # after the transfer thread: it launches no more
             self.stream.close()
         self.nixl.close()
+
+    def _liveness(self) -> ReadLiveness | None:
+        """Who asks the prefill workers of READs running long whether they are there: on the handshake pool, kept
+        for waits on slow or silent peers (None: read_liveness_s 0, never asked)."""
+        if not self.config.read_liveness_s:
+            return None
+        return ReadLiveness(self.identity, self.config, self._handshakes, self._clients)
 
     # -- the peer book's hooks into the read paths ---------------------------------------------------
 

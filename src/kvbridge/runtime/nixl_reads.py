@@ -42,6 +42,7 @@ from kvbridge.runtime.peers import Engine, PeerBook
 from kvbridge.runtime.prefill_worker import staging_copies, transport_config
 from kvbridge.runtime.prepared_reads import PreparedRead, prepare, prepared_lists
 from kvbridge.runtime.read_budget import FLOOR_BYTES_PER_S
+from kvbridge.runtime.read_liveness import ReadLiveness, Verdict
 from kvbridge.runtime.staged_reads import StagedReads
 from kvbridge.transport.backoff import Backoff
 from kvbridge.transport.nixl import NixlTransport
@@ -72,11 +73,13 @@ class NixlReads:
         sealer=None,
         regions: Sequence = (),
         reader: NixlReader | None = None,
+        liveness: ReadLiveness | None = None,
     ) -> None:
         """`loaded(load)` and `failed(load, error)` report a load to the decode worker; `tell(message, job, ranks)`
         queues a message for the notifier. `regions`: `memory`'s regions as tensors (GPU memory: the staged path
         stages in VRAM with torch copies; without them GPU memory has no staged path). `reader`: the NIXL agent to read
-        with (default: a new one on this worker's transport settings)."""
+        with (default: a new one on this worker's transport settings). `liveness`: asks the prefill workers whose READs
+        run long whether they are there (None: never asked, the load's deadline alone ends a silent one)."""
         self.identity = identity
         self.memory = memory
         self.config = config
@@ -85,6 +88,7 @@ class NixlReads:
         self.loaded = loaded
         self.failed = failed
         self.tell = tell
+        self.liveness = liveness
         if reader is None:  # a kv_both worker also runs a PrefillWorker: agent names must differ
             transport = dataclasses.replace(transport_config(config, mem_type), prepared_lists=prepared_lists(config))
             reader = NixlReader(NixlTransport(identity.agent_name + "-reader", transport), identity, mem_type)
@@ -188,6 +192,8 @@ class NixlReads:
             with contextlib.suppress(KVBridgeError):
                 self.transport.release(flushing[0])
         self._unflushed.discard(name)
+        if self.liveness is not None:
+            self.liveness.forget(name)
         self._segments.pop(name, None)
         self._prepared.pop(name, None)
         with contextlib.suppress(KVBridgeError):
@@ -250,6 +256,8 @@ class NixlReads:
                 self.reader.lock.release()
 
     def _poll(self) -> None:
+        if self.liveness is not None and (silent := self.liveness.verdicts()):
+            self._fail_silent(silent)
         still = []
         for load in self._active:
             failed = next((p.error for p in load.staged if p.finished and p.error), "")
@@ -279,6 +287,8 @@ class NixlReads:
                 )
             else:
                 still.append(load)
+                if self.liveness is not None:
+                    self._ask_if_long(load)
         self._active = still
         draining = []
         for load in self._draining:
@@ -291,6 +301,51 @@ class NixlReads:
             self._check_fences()
         if self._flushing:
             self._finish_flushes()
+
+    # -- prefill workers silent while READs run ----------------------------------------------------
+
+    def _ask_if_long(self, load: Load) -> None:
+        """A load whose READs run past `read_liveness_s`: the workers they wait on are asked whether they are there
+        (`ReadLiveness`; one question per worker at a time, on another thread)."""
+        now = time.monotonic()
+        if now - load.posted < self.liveness.interval_s:
+            return
+        running = {t.peer for t in load.transfers if not t.done} | {p.peer.agent for p in load.staged if not p.finished}
+        for rank, peer in load.engine.peers.items():
+            if peer.agent in running:
+                self.liveness.due(peer.agent, load.job.source, rank, peer, now)
+
+    def _fail_silent(self, silent: dict[str, Verdict]) -> None:
+        """Workers found silent or gone while READs on them ran: as for a load past its deadline on them whose
+        fence's flush READ cannot come (`_check_fences`), every load reading from them fails, their engines are
+        known dead (`PeerBook.mark_dead`) and their agents are removed, closing the endpoints, so that nothing of
+        those READs can land; the loads are reported once fenced (at the next `_check_fences`, their agents
+        gone). A verdict on an agent a newer handshake replaced (another `Peer`) is ignored."""
+
+        def verdicts_on(engine, agents) -> list[Verdict]:
+            peers = engine.peers.values() if engine is not None else ()
+            return [v for p in peers if p.agent in agents and (v := silent.get(p.agent)) is not None and v.peer is p]
+
+        still, failing = [], []
+        hit: dict[str, tuple[Engine, Verdict]] = {}  # agent -> an engine holding it, its verdict
+        for load in self._active:
+            found = verdicts_on(load.engine, {t.peer for t in load.transfers} | {p.peer.agent for p in load.staged})
+            hit.update((v.peer.agent, (load.engine, v)) for v in found)
+            if found:
+                failing.append((load, found[0].why))
+            else:
+                still.append(load)
+        for fence in self._fences:  # failed otherwise, waiting on a flush READ that cannot come
+            hit.update((v.peer.agent, (fence.load.engine, v)) for v in verdicts_on(fence.load.engine, fence.flushes))
+        if not hit:  # its READs finished meanwhile (it made progress) and no fence waits on it
+            return
+        self._active = still
+        for load, why in failing:
+            self._drain_and_fail(load, why)
+        for agent, (engine, verdict) in hit.items():
+            logger.warning("kvbridge decode %s: %s: removing its agent", self.identity, verdict.why)
+            self.peers.mark_dead(engine, verdict.why)
+            self._forget_agent(agent)
 
     def _release_all(self, load: Load) -> bool:
         ok = True

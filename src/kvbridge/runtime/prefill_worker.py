@@ -273,6 +273,8 @@ class PrefillWorker:
                 if until is None:
                     return wire.ErrorReply(message="stage refused: not_claimed", reason=wire.Refusal.NOT_CLAIMED)
                 return self.stager.answer(message, until, self.epoch)
+            case wire.Ping():  # a reader whose READs run long asks whether this process runs: no lock taken
+                return wire.Ack(epoch=self.epoch)
             case wire.Abort():
                 with self._lock:
                     taken = self._leases.abort(message.request_id, message.token)

@@ -3,8 +3,8 @@
 Every message is a map whose "type" key names it (its tag), encoded with msgpack. A decode worker asks each
 prefill worker it reads from for that worker's metadata (`HandshakeRequest`); the prefill worker answers with
 its `HandshakeReply` or a `HandshakeRefused` naming the first field that does not match. After the handshake,
-per-request messages (`Notify`, `Abort`) travel on the same channel and are answered with `Ack`. Anything that
-cannot be decoded is answered with `ErrorReply`.
+per-request messages (`Notify`, `Abort`) and a reader's `Ping` travel on the same channel and are answered with
+`Ack`. Anything that cannot be decoded is answered with `ErrorReply`.
 
 Schema evolution (msgspec's rules, as in its docs/schema-evolution.rst):
 - A new field is added with a default value, so that a peer that does not send it is still understood.
@@ -175,8 +175,20 @@ class Staged(_Message, tag="staged", kw_only=True):
     epoch: str = ""
 
 
+class Ping(_Message, tag="ping", kw_only=True):
+    """Decode worker -> prefill worker whose NIXL READs it has had in flight a while: are you there? Answered by
+    `Ack` (with the worker's epoch) from the side-channel thread, nothing else done. NIXL says nothing of a READ
+    that makes no progress, so the reader asks the side channel instead: a worker that does not answer within the
+    answer deadline is silent (stopped, its host or link down) and its READs fail. An older peer cannot decode it
+    and answers with an `ErrorReply`, which is an answer all the same: its process runs."""
+
+    engine_id: str = ""
+    """The asking decode engine (for the prefill's logs; nothing depends on it)."""
+
+
 class Ack(_Message, tag="ack", kw_only=True):
-    """The answer to `Claim`, `Notify` and `Abort`; `epoch` is the answering worker's (see HandshakeReply)."""
+    """The answer to `Claim`, `Notify`, `Abort` and `Ping`; `epoch` is the answering worker's (see
+    HandshakeReply)."""
 
     request_id: str = ""
     epoch: str = ""
@@ -222,7 +234,17 @@ class ErrorReply(_Message, tag="error", kw_only=True):
 
 
 Message = (
-    HandshakeRequest | HandshakeReply | HandshakeRefused | Notify | Claim | Abort | Stage | Staged | Ack | ErrorReply
+    HandshakeRequest
+    | HandshakeReply
+    | HandshakeRefused
+    | Notify
+    | Claim
+    | Abort
+    | Stage
+    | Staged
+    | Ping
+    | Ack
+    | ErrorReply
 )
 MESSAGE_TYPES: tuple[type[_Message], ...] = (
     HandshakeRequest,
@@ -233,6 +255,7 @@ MESSAGE_TYPES: tuple[type[_Message], ...] = (
     Abort,
     Stage,
     Staged,
+    Ping,
     Ack,
     ErrorReply,
 )

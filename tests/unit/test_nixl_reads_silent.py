@@ -1,0 +1,116 @@
+"""A prefill worker found silent while READs on it run: `NixlReads` fails the loads reading from it, marks its engine
+dead and removes its agent, reporting each load only after the removal (the fence rule of `_check_fences`).
+
+A unit test of `runtime.nixl_reads.NixlReads` with the recording fake of `support.nixl_reads_fakes` and a stand-in
+for `runtime.read_liveness.ReadLiveness` (the test hands the verdicts). The real processes are in
+tests/nixl/test_peer_failures.py. Oracles: the failure is reported after ("removed", agent), never before; a load
+whose READs run within read_liveness_s asks nothing; a verdict on a replaced worker fails nothing. Negative control:
+without the liveness check the same load is still in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from kvbridge.runtime.read_liveness import Verdict
+from kvbridge.transport.nixl_descriptors import Transfer
+from support.nixl_reads_fakes import RANKS, FakeTransport, make_load, make_reads, note
+
+AGENT = "prefill-tp0"
+
+
+class SilentFake(FakeTransport):
+    """FakeTransport with agents to remove and flush: events ("flush", i), ("removed", agent). Removing an agent
+    ends the DMA of its READs (its endpoint closed: they fail)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peers = {AGENT}
+
+    def post_flush(self, agent, region, mem_type="DRAM") -> Transfer:
+        i = len(self.transfers)
+        transfer = Transfer(agent, 64, 1, b"", time.monotonic())
+        self.transfers.append(transfer)
+        self.events.append(("flush", i))
+        self.held.add(i)
+        return transfer
+
+    def remove_peer(self, agent) -> None:
+        self.peers.discard(agent)
+        self.events.append(("removed", agent))
+        self.dma_done.update(i for i, t in enumerate(self.transfers) if t.peer == agent)
+
+
+class Liveness:
+    """What NixlReads calls on ReadLiveness: `due` is recorded, `verdicts` hands what the test put in `pending`."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.asked: list[str] = []
+        self.pending: dict[str, Verdict] = {}
+        self.forgotten: list[str] = []
+
+    def due(self, agent, source, rank, peer, now) -> None:
+        self.asked.append(agent)
+
+    def verdicts(self) -> dict[str, Verdict]:
+        out, self.pending = self.pending, {}
+        return out
+
+    def forget(self, agent) -> None:
+        self.forgotten.append(agent)
+
+
+def running_load(liveness: Liveness | None, ran_s: float):
+    """A load with one READ from AGENT, posted `ran_s` ago and not done. Returns (fake, reads, load, reports,
+    engines marked dead)."""
+    fake, reports, dead = SilentFake(), [], []
+    reads = make_reads(fake, reports)
+    reads.liveness = liveness
+    load = make_load(reads, ranks=RANKS[:1])
+    reads.peers = SimpleNamespace(
+        drop=lambda engine, why: None, mark_dead=lambda engine, why: dead.append(engine), all_engines=lambda: []
+    )
+    reads.post(load, note())
+    load.posted -= ran_s
+    return fake, reads, load, reports, dead
+
+
+def test_a_silent_worker_fails_its_loads_once_its_agent_is_removed():
+    liveness = Liveness()
+    fake, reads, load, reports, dead = running_load(liveness, ran_s=1.0)
+    reads.poll()
+    assert liveness.asked == [AGENT] and not reports
+    liveness.pending = {AGENT: Verdict(load.engine.peers[RANKS[0]], "silent")}
+    reads.poll()
+    assert [kind for kind, _ in reports] == ["failed"], (reports, fake.events)
+    removed = fake.events.index(("removed", AGENT))
+    assert reports[0][1] > removed, fake.events  # reported after the removal
+    assert dead == [load.engine] and AGENT in liveness.forgotten
+    assert not reads.busy
+
+
+def test_a_load_within_read_liveness_s_asks_nothing():
+    liveness = Liveness()
+    _, reads, _, reports, _ = running_load(liveness, ran_s=0.0)
+    reads.poll()
+    assert liveness.asked == [] and not reports
+
+
+def test_a_verdict_on_a_replaced_worker_fails_nothing():
+    """A newer handshake of the same agent name is another Peer: the old one's verdict must not fail its loads."""
+    liveness = Liveness()
+    fake, reads, load, reports, dead = running_load(liveness, ran_s=1.0)
+    old = SimpleNamespace(agent=AGENT, memory=reads.memory)
+    liveness.pending = {AGENT: Verdict(old, "silent")}
+    reads.poll()
+    assert not reports and not dead and ("removed", AGENT) not in fake.events
+    assert reads.holds(load)
+
+
+def test_without_the_liveness_check_the_load_stays_in_flight():
+    """Negative control: the same load, no ReadLiveness: nothing ends it before its deadline."""
+    fake, reads, load, reports, _ = running_load(None, ran_s=1.0)
+    reads.poll()
+    assert not reports and reads.holds(load) and ("removed", AGENT) not in fake.events
