@@ -254,7 +254,7 @@ class DecodeWorker:
         for waits on slow or silent peers (None: read_liveness_s 0, never asked)."""
         if not self.config.read_liveness_s:
             return None
-        return ReadLiveness(self.identity, self.config, self._handshakes, self._clients)
+        return ReadLiveness(self.identity, self.config, self._handshakes, self.sealer)
 
     # -- the peer book's hooks into the read paths ---------------------------------------------------
 

@@ -10,9 +10,9 @@ question per worker at a time, again every `read_liveness_s` while READs on it r
     refused, or its process gone here (/proc)             -> gone    } (`verdicts`) and acts on (`NixlReads`)
 
 The questions run on the decode worker's handshake pool (the threads kept for waits on slow or silent peers, so
-they never hold the threads that claim for connected engines), each on that thread's kept side-channel sockets
-(`ThreadClients`); the transfer thread only compares times and queues a question (`due`). Loads whose READs finish
-within `read_liveness_s` never get here.
+they never hold the threads that claim for connected engines), each on a socket of its own, closed after it: they
+are rare (READs running long), and keep no connection open on the prefill side. The transfer thread only compares
+times and queues a question (`due`). Loads whose READs finish within `read_liveness_s` never get here.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.peers import Peer, address, gone_check, identity
 from kvbridge.wire import messages as wire
+from kvbridge.wire.auth import Sealer
 from kvbridge.wire.params import PrefillDone
-from kvbridge.wire.side_channel_client import ThreadClients
+from kvbridge.wire.side_channel_client import SideChannelClient
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +49,16 @@ class ReadLiveness:
     """One decode worker's questions to the prefill workers its READs wait on (see the module docstring)."""
 
     def __init__(
-        self, reader: WorkerIdentity, config: BridgeConfig, executor: Executor, clients: ThreadClients
+        self, reader: WorkerIdentity, config: BridgeConfig, executor: Executor, sealer: Sealer | None = None
     ) -> None:
-        """`executor`: where the questions run (they may wait the whole answer deadline); `clients`: the side-channel
-        clients of its threads."""
+        """`executor`: where the questions run (they may wait the whole answer deadline); `sealer`: the deployment
+        key's (None: frames are not sealed)."""
         self.reader = reader
+        self.config = config
+        self.sealer = sealer
         self.interval_s = config.read_liveness_s
         self.deadline_s = (1 + config.handshake_retries) * config.handshake_timeout_s
         self.executor = executor
-        self.clients = clients
         self._lock = threading.Lock()
         self._asking: set[str] = set()  # agents with a question on the wire
         self._answered: dict[str, float] = {}  # agent -> when it last answered
@@ -93,8 +95,14 @@ class ReadLiveness:
             self._answered.pop(agent, None)
 
     def _ask(self, agent: str, source: PrefillDone, rank: WorkerRank, peer: Peer) -> None:
+        client = SideChannelClient(
+            timeout_s=self.config.handshake_timeout_s,
+            retries=self.config.handshake_retries,
+            sealer=self.sealer,
+            max_answer_bytes=self.config.side_channel_max_answer_bytes,
+        )
         try:
-            [answer] = self.clients.get().exchange_all(
+            [answer] = client.exchange_all(
                 [address(source, rank)],
                 wire.Ping(engine_id=self.reader.engine_id),
                 [identity(source, rank)],
@@ -103,6 +111,8 @@ class ReadLiveness:
         except Exception as exc:  # a bug: no verdict (the load's deadline still ends it)
             logger.exception("kvbridge decode %s: asking prefill worker %s failed", self.reader, rank)
             answer = exc
+        finally:
+            client.close()
         with self._lock:
             self._asking.discard(agent)
             if isinstance(answer, (TransferTimeout, PeerGone)):
