@@ -31,6 +31,7 @@ class FakeTransport:
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(prepared_lists=False)
+        self.name = "decode-reader"
         self.ucx_env: dict[str, str] = {}
         self.events: list[tuple[str, int]] = []
         self.transfers: list[Transfer] = []
@@ -62,6 +63,14 @@ class FakeTransport:
         if i in self.dma_done and transfer.state == "PROC":
             transfer.state = "DONE"
         return transfer.state != "PROC"
+
+    def renew(self, drop=frozenset()) -> None:
+        """As `NixlTransport.renew`: every READ is released and its DMA ends (the old agent is gone)."""
+        self.peers -= set(drop)
+        self.dma_done.update(range(len(self.transfers)))
+        for transfer in self.transfers:
+            transfer.state = "RELEASED"
+        self.events.append(("renewed", tuple(sorted(drop))))
 
     def release(self, transfer: Transfer) -> None:
         i = self.transfers.index(transfer)

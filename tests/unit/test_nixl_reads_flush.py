@@ -113,13 +113,16 @@ def test_the_oracle_notices_a_failed_load_reported_while_a_released_read_may_wri
     assert [kind for kind, _ in reports] == ["failed"] and not any(k == "flush" for k, _ in fake.events)
 
 
-def test_a_fence_whose_flush_never_completes_closes_the_endpoint_before_reporting():
+def test_a_fence_whose_flush_never_completes_renews_the_agent_before_reporting():
+    """Removing the agent would not do: NIXL closes its endpoint in flush mode (tests/nixl/test_nixl_renew.py)."""
     fake, reads, _, reports = cut_load(timeout_s=0.05)
     reads.poll()
-    assert reports == [] and ("removed", AGENT) not in fake.events
+    assert reports == [] and not any(kind == "renewed" for kind, _ in fake.events)
     time.sleep(0.1)
     reads.poll()
-    assert ("removed", AGENT) in fake.events and [kind for kind, _ in reports] == ["failed"]
+    assert [kind for kind, _ in reports] == ["failed"], fake.events
+    assert reports[0][1] > fake.events.index(("renewed", (AGENT,)))  # reported after the renewal
+    assert ("removed", AGENT) not in fake.events and AGENT not in fake.peers
 
 
 def test_a_reaped_agent_with_a_released_read_is_removed_once_its_flush_read_is_done():
@@ -135,14 +138,16 @@ def test_a_reaped_agent_with_a_released_read_is_removed_once_its_flush_read_is_d
     assert removed_before_flushed(fake) == []
 
 
-def test_a_flush_read_that_never_completes_delays_the_removal_only_until_its_deadline():
-    fake, reads, engine, _ = cut_load(timeout_s=0.05)
+def test_a_flush_read_that_never_completes_keeps_a_reaped_agent_only_until_its_deadline():
+    fake, reads, engine, reports = cut_load(timeout_s=0.05)
     reads.forget(engine)
     reads.poll()
-    assert ("removed", AGENT) not in fake.events
+    assert AGENT in fake.peers and reports == []
     time.sleep(0.1)
     reads.poll()
-    assert ("removed", AGENT) in fake.events  # a peer gone for good is not kept forever
+    assert AGENT not in fake.peers and ("renewed", (AGENT,)) in fake.events  # a peer gone for good is not kept
+    assert ("removed", AGENT) not in fake.events  # never removed first: its fence would look done
+    assert [kind for kind, _ in reports] == ["failed"]
 
 
 def test_at_close_an_agent_with_a_released_read_is_flushed_first():

@@ -1,9 +1,10 @@
 """A prefill worker found silent while READs on it run: `NixlReads` fails the loads reading from it, marks its engine
-dead and removes its agent, reporting each load only after the removal (the fence rule of `_check_fences`).
+dead and renews its own agent, reporting each load only after the renewal; loads from other workers finish first,
+and loads queued meanwhile are posted on the new agent.
 
 A unit test of `runtime.nixl_reads.NixlReads` with the recording fake of `support.nixl_reads_fakes` and a stand-in
 for `runtime.read_liveness.ReadLiveness` (the test hands the verdicts). The real processes are in
-tests/nixl/test_peer_failures.py. Oracles: the failure is reported after ("removed", agent), never before; a load
+tests/nixl/test_peer_failures.py. Oracles: the failure is reported after ("renewed", agents), never before; a load
 whose READs run within read_liveness_s asks nothing; a verdict on a replaced worker fails nothing. Negative control:
 without the liveness check the same load is still in flight.
 """
@@ -77,18 +78,42 @@ def running_load(liveness: Liveness | None, ran_s: float):
     return fake, reads, load, reports, dead
 
 
-def test_a_silent_worker_fails_its_loads_once_its_agent_is_removed():
+def test_a_silent_worker_fails_its_loads_once_the_agent_is_renewed():
     liveness = Liveness()
     fake, reads, load, reports, dead = running_load(liveness, ran_s=1.0)
     reads.poll()
     assert liveness.asked == [AGENT] and not reports
     liveness.pending = {AGENT: Verdict(load.engine.peers[RANKS[0]], "silent")}
     reads.poll()
+    reads.poll()
     assert [kind for kind, _ in reports] == ["failed"], (reports, fake.events)
-    removed = fake.events.index(("removed", AGENT))
-    assert reports[0][1] > removed, fake.events  # reported after the removal
+    renewed = fake.events.index(("renewed", (AGENT,)))
+    assert reports[0][1] > renewed, fake.events  # reported after the renewal
+    assert ("removed", AGENT) not in fake.events  # removal alone would not stop its READs
     assert dead == [load.engine] and AGENT in liveness.forgotten
     assert not reads.busy
+
+
+def test_a_renewal_waits_for_the_loads_of_other_workers_and_posts_the_loads_queued_meanwhile():
+    liveness = Liveness()
+    fake, reads, silent_load, reports, _ = running_load(liveness, ran_s=1.0)
+    other = make_load(reads, ranks=RANKS[1:])  # from prefill-tp1, which answers
+    fake.peers.add("prefill-tp1")
+    reads.post(other, note())
+    liveness.pending = {AGENT: Verdict(silent_load.engine.peers[RANKS[0]], "silent")}
+    reads.poll()
+    assert not reports and not any(kind == "renewed" for kind, _ in fake.events)  # the other load runs
+    queued = make_load(reads, ranks=RANKS[1:])
+    posted = len([e for e in fake.events if e[0] == "post"])
+    reads.post(queued, note())
+    assert len([e for e in fake.events if e[0] == "post"]) == posted  # waits for the new agent
+    fake.dma_done.add(1)  # the other load's READ lands
+    reads.poll()
+    kinds = [kind for kind, _ in reports]
+    assert kinds == ["loaded", "failed"], (reports, fake.events)
+    renewed = fake.events.index(("renewed", (AGENT,)))
+    assert reports[0][1] <= renewed < reports[1][1]  # the other load before, the silent one after the renewal
+    assert fake.events[renewed + 1][0] == "post" and reads.holds(queued)  # then the queued load, on the new agent
 
 
 def test_a_load_within_read_liveness_s_asks_nothing():

@@ -3,9 +3,11 @@
 more can arrive from a prefill agent.
 
 Why flush READs: NIXL's release of a READ that was still running does not stop UCX, whose data may land later (over
-tcp, when a cut link comes back); UCX answers one reader's READs from a peer in order, so a flush READ posted after
-it is done only once every earlier READ from that agent has landed or been dropped. An endpoint that has failed, or
-an agent that was removed, delivers nothing more.
+tcp, when a cut link comes back or a stopped peer runs again); UCX answers one reader's READs from a peer in order,
+so a flush READ posted after it is done only once every earlier READ from that agent has landed or been dropped. An
+endpoint that has failed delivers nothing more. One closed by removing its agent may (NIXL 1.5.1 closes it in UCX's
+flush mode): where no flush READ can be done (a silent peer), the fence is a new agent (`NixlTransport.renew`;
+`renewing` names the agents waiting for it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class NixlReader:
         self.identity = identity
         self.mem_type = mem_type
         self.lock = threading.Lock()
+        self.renewing: set[str] = set()  # agents whose READs only the agent's renewal can fence (under `lock`)
 
     def post_flush(self, agent: str, memory: WorkerMemory) -> Transfer | None:
         """A flush READ from `agent` (`NixlTransport.post_flush`), or None if its endpoint has failed already (it
@@ -43,7 +46,8 @@ class NixlReader:
             return None
 
     def flushed(self, agent: str, flush: Transfer) -> bool:
-        """Whether nothing more can arrive from `agent` before `flush`: it is done or failed, or the agent is gone."""
+        """Whether nothing more can arrive from `agent` before `flush`: it is done or failed, or the agent is gone
+        (removed for a worker known dead or restarted, whose endpoint has failed)."""
         try:
             return agent not in self.transport.peers or self.transport.poll(flush)
         except KVBridgeError:

@@ -8,12 +8,12 @@ retried; its load is reported, done or failed, only once the release succeeds, s
 blocks the engine has given to another request.
 
 The agent, its lock and the flush READs are a `NixlReader`, shared with the staged path (`staged_reads`); every
-method takes its lock.
+method takes its lock. What holds a failed load until nothing of it can still write (flush READs, silent workers,
+the agent's renewal) is `read_fences`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -42,9 +42,9 @@ from kvbridge.runtime.peers import Engine, PeerBook
 from kvbridge.runtime.prefill_worker import staging_copies, transport_config
 from kvbridge.runtime.prepared_reads import PreparedRead, prepare, prepared_lists
 from kvbridge.runtime.read_budget import FLOOR_BYTES_PER_S
-from kvbridge.runtime.read_liveness import ReadLiveness, Verdict
+from kvbridge.runtime.read_fences import ReadFences
+from kvbridge.runtime.read_liveness import ReadLiveness
 from kvbridge.runtime.staged_reads import StagedReads
-from kvbridge.transport.backoff import Backoff
 from kvbridge.transport.nixl import NixlTransport
 from kvbridge.transport.nixl_descriptors import MemType, Transfer
 from kvbridge.transport.nixl_prepared import PreparedLists
@@ -56,7 +56,7 @@ CLOSE_FLUSH_S = 5.0
 """At close, how long flush READs (see `NixlReads.forget`) are waited for before the agent goes anyway."""
 
 
-class NixlReads:
+class NixlReads(ReadFences):
     """One decode worker's NIXL agent and the READs it has in flight."""
 
     def __init__(
@@ -103,7 +103,11 @@ class NixlReads:
         # flushed before their removal: agent -> (its flush READ, deadline). See `forget`.
         self._unflushed: set[str] = set()
         self._flushing: dict[str, tuple[Transfer, float]] = {}
-        self._fences: list[Fence] = []  # failed loads waiting until nothing can still write their blocks
+        self._fences: list = []  # read_fences.Fence  # failed loads waiting until nothing can still write their blocks
+        # Agents whose READs only a new agent can fence, while a renewal waits (`_request_renewal`), and the loads
+        # posted meanwhile, posted on the new agent.
+        self._renewal: set[str] | None = None
+        self._deferred: list[tuple[Load, wire.Notify]] = []
         # The staged path (staging configured): parts of loads read in large chunks, then scattered.
         tensors = staging_copies(mem_type, regions, memory)
         staged = tensors is not None and config.nixl_staging_bytes > 0 and self.memory.num_groups == 1
@@ -130,7 +134,7 @@ class NixlReads:
     @property
     def busy(self) -> bool:
         """Whether READs are posted or waiting for their release (read without the lock: a hint)."""
-        return bool(self._active or self._draining or self._fences)
+        return bool(self._active or self._draining or self._fences or self._renewal is not None)
 
     def holds(self, load: Load) -> bool:
         """Whether `load`'s READs are posted and being polled."""
@@ -149,98 +153,55 @@ class NixlReads:
                 self._forget_agent(name)
             return self.transport.add_peer(metadata)
 
-    def forget(self, engine: Engine) -> None:
-        """Remove the agents of a reaped engine (nothing of it in flight). An agent one of whose READs was released
-        unfinished (after a timeout or a link cut) may still have its answers queued in UCX: closing the endpoint
-        now can crash that prefill worker (UCX 1.23 over tcp, `NixlTransport.post_flush`), so it is removed only
-        once a flush READ from it is done, or after `transfer_timeout_s` (`poll` checks)."""
-        with self.reader.lock:
-            for peer in engine.peers.values():
-                if peer.agent in self._unflushed and peer.agent not in self._flushing:
-                    self._start_flush(peer.agent, peer.memory)
-                if peer.agent not in self._flushing:
-                    self._forget_agent(peer.agent)
-
-    def _start_flush(self, agent: str, memory: WorkerMemory) -> None:
-        self._unflushed.discard(agent)
-        flush = self.reader.post_flush(agent, memory)
-        if flush is not None:
-            self._flushing[agent] = (flush, time.monotonic() + self.config.transfer_timeout_s)
-
-    def _finish_flushes(self) -> None:
-        """Remove the agents whose flush READ is done, failed or past its deadline."""
-        for agent, (flush, deadline) in list(self._flushing.items()):
-            if self.reader.flushed(agent, flush) or time.monotonic() > deadline:
-                self._forget_agent(agent)
-
-    def _flush_all(self, timeout_s: float) -> None:
-        """Before the agent closes: flush every agent that may still have answers queued, for up to `timeout_s`."""
-        for peer in [p for e in self.peers.all_engines() for p in e.peers.values()]:
-            if peer.agent in self._unflushed and peer.agent not in self._flushing:
-                self._start_flush(peer.agent, peer.memory)
-        deadline = time.monotonic() + timeout_s
-        backoff = Backoff()
-        while self._flushing and time.monotonic() < deadline:
-            self._finish_flushes()
-            backoff.sleep()
-        for agent in list(self._flushing):
-            self._forget_agent(agent)
-
-    def _forget_agent(self, name: str) -> None:
-        flushing = self._flushing.pop(name, None)
-        if flushing is not None:
-            with contextlib.suppress(KVBridgeError):
-                self.transport.release(flushing[0])
-        self._unflushed.discard(name)
-        if self.liveness is not None:
-            self.liveness.forget(name)
-        self._segments.pop(name, None)
-        self._prepared.pop(name, None)
-        with contextlib.suppress(KVBridgeError):
-            self.transport.remove_peer(name)  # releases its prepared lists too
-
     # -- per load ---------------------------------------------------------------------------------
 
     def post(self, load: Load, note: wire.Notify) -> None:
-        """Post the load's READs, each carrying `note`; a failure drains what was posted, then reports it."""
-        engine, job = load.engine, load.job
+        """Post the load's READs, each carrying `note`; a failure drains what was posted, then reports it. While a
+        renewal of the agent waits, the load waits too and is posted on the new agent."""
         with self.reader.lock:
+            if self._renewal is not None:
+                self._deferred.append((load, note))
+            else:
+                self._post(load, note)
+
+    def _post(self, load: Load, note: wire.Notify) -> None:
+        engine, job = load.engine, load.job
+        try:
+            descs = self._descriptors(load, engine)
+        except KVBridgeError as exc:
+            self._drain_and_fail(load, str(exc))
+            return
+        encoded = wire.encode(note)
+        parts = self._staged_parts(load, engine, descs)
+        load.nbytes = sum(r.nbytes for r in descs.values())
+        load.descriptors = sum(len(r) for r in descs.values()) - sum(len(descs[p.rank]) - len(p) for p in parts)
+        for rank, d in descs.items():
+            if rank in {p.rank for p in parts}:
+                continue
+            peer = engine.peers[rank]
             try:
-                descs = self._descriptors(load, engine)
-            except KVBridgeError as exc:
-                self._drain_and_fail(load, str(exc))
+                if isinstance(d, Descriptors):
+                    transfer = self.transport.read(peer.agent, d, self.memory, peer.memory, encoded)
+                else:
+                    transfer = self.transport.read_prepared(d.prepared, d.src_idx, d.dst_idx, encoded)
+                load.transfers.append(transfer)
+            except TransferError as exc:
+                pending = getattr(exc, "transfer", None)
+                if pending is not None:
+                    load.transfers.append(pending)
+                for part in parts:
+                    self.staged.cancel(part)
+                self._drain_and_fail(load, str(exc), broken=engine)
                 return
-            encoded = wire.encode(note)
-            parts = self._staged_parts(load, engine, descs)
-            load.nbytes = sum(r.nbytes for r in descs.values())
-            load.descriptors = sum(len(r) for r in descs.values()) - sum(len(descs[p.rank]) - len(p) for p in parts)
-            for rank, d in descs.items():
-                if rank in {p.rank for p in parts}:
-                    continue
-                peer = engine.peers[rank]
-                try:
-                    if isinstance(d, Descriptors):
-                        transfer = self.transport.read(peer.agent, d, self.memory, peer.memory, encoded)
-                    else:
-                        transfer = self.transport.read_prepared(d.prepared, d.src_idx, d.dst_idx, encoded)
-                    load.transfers.append(transfer)
-                except TransferError as exc:
-                    pending = getattr(exc, "transfer", None)
-                    if pending is not None:
-                        load.transfers.append(pending)
-                    for part in parts:
-                        self.staged.cancel(part)
-                    self._drain_and_fail(load, str(exc), broken=engine)
-                    return
-            for part in parts:
-                load.staged.append(part)
-                self.staged.run(part, encoded)
-            load.posted = time.monotonic()
-            self.emulation.at_handshake(engine)
-            others = tuple(r for r in engine.layout.workers() if r not in descs)
-            if others:
-                self.tell(note, job, others)
-            self._active.append(load)
+        for part in parts:
+            load.staged.append(part)
+            self.staged.run(part, encoded)
+        load.posted = time.monotonic()
+        self.emulation.at_handshake(engine)
+        others = tuple(r for r in engine.layout.workers() if r not in descs)
+        if others:
+            self.tell(note, job, others)
+        self._active.append(load)
 
     def poll(self) -> None:
         """Report the loads whose READs are done (and released) or failed; retry the releases NIXL refused."""
@@ -301,51 +262,8 @@ class NixlReads:
             self._check_fences()
         if self._flushing:
             self._finish_flushes()
-
-    # -- prefill workers silent while READs run ----------------------------------------------------
-
-    def _ask_if_long(self, load: Load) -> None:
-        """A load whose READs run past `read_liveness_s`: the workers they wait on are asked whether they are there
-        (`ReadLiveness`; one question per worker at a time, on another thread)."""
-        now = time.monotonic()
-        if now - load.posted < self.liveness.interval_s:
-            return
-        running = {t.peer for t in load.transfers if not t.done} | {p.peer.agent for p in load.staged if not p.finished}
-        for rank, peer in load.engine.peers.items():
-            if peer.agent in running:
-                self.liveness.due(peer.agent, load.job.source, rank, peer, now)
-
-    def _fail_silent(self, silent: dict[str, Verdict]) -> None:
-        """Workers found silent or gone while READs on them ran: as for a load past its deadline on them whose
-        fence's flush READ cannot come (`_check_fences`), every load reading from them fails, their engines are
-        known dead (`PeerBook.mark_dead`) and their agents are removed, closing the endpoints, so that nothing of
-        those READs can land; the loads are reported once fenced (at the next `_check_fences`, their agents
-        gone). A verdict on an agent a newer handshake replaced (another `Peer`) is ignored."""
-
-        def verdicts_on(engine, agents) -> list[Verdict]:
-            peers = engine.peers.values() if engine is not None else ()
-            return [v for p in peers if p.agent in agents and (v := silent.get(p.agent)) is not None and v.peer is p]
-
-        still, failing = [], []
-        hit: dict[str, tuple[Engine, Verdict]] = {}  # agent -> an engine holding it, its verdict
-        for load in self._active:
-            found = verdicts_on(load.engine, {t.peer for t in load.transfers} | {p.peer.agent for p in load.staged})
-            hit.update((v.peer.agent, (load.engine, v)) for v in found)
-            if found:
-                failing.append((load, found[0].why))
-            else:
-                still.append(load)
-        for fence in self._fences:  # failed otherwise, waiting on a flush READ that cannot come
-            hit.update((v.peer.agent, (fence.load.engine, v)) for v in verdicts_on(fence.load.engine, fence.flushes))
-        if not hit:  # its READs finished meanwhile (it made progress) and no fence waits on it
-            return
-        self._active = still
-        for load, why in failing:
-            self._drain_and_fail(load, why)
-        for agent, (engine, verdict) in hit.items():
-            logger.warning("kvbridge decode %s: %s: removing its agent", self.identity, verdict.why)
-            self.peers.mark_dead(engine, verdict.why)
-            self._forget_agent(agent)
+        if self._renewal is not None and self._only_stale_in_flight():
+            self._renew()
 
     def _release_all(self, load: Load) -> bool:
         ok = True
@@ -384,57 +302,6 @@ class NixlReads:
             self.failed(load, load.error)
         else:
             self.loaded(load)
-
-    # -- fencing the late writes of released READs ------------------------------------------------
-
-    def _fence(self, load: Load) -> None:
-        """Report a failed load only once nothing can still write its blocks. NIXL's release of a READ that was
-        still running does not stop UCX: over tcp its data lands when the link comes back (bench/ucx_cut_stress.py
-        saw 155 of 440 READs released unfinished written after their release), and by then vLLM would have given
-        the blocks to another request. UCX answers one reader's READs from a peer in order, so a flush READ posted
-        now is done only after every earlier one has landed or been dropped; an endpoint that failed or was closed
-        delivers nothing more. So: one flush READ per agent that had READs running; the load is reported when each
-        is done or failed, or, past `transfer_timeout_s`, once those agents are removed (their endpoints closed)."""
-        flushes: dict[str, Transfer] = {}
-        memory = {p.agent: p.memory for p in (load.engine.peers.values() if load.engine else ())}
-        for agent in load.unfinished:
-            if agent not in self.transport.peers or agent not in memory:
-                continue  # removed: its endpoint is closed
-            flush = self.reader.post_flush(agent, memory[agent])
-            if flush is not None:
-                flushes[agent] = flush
-        if flushes:
-            self._fences.append(Fence(load, flushes, time.monotonic() + self.config.transfer_timeout_s))
-        else:
-            self.failed(load, load.error)
-
-    def _check_fences(self) -> None:
-        still = []
-        for fence in self._fences:
-            for agent, flush in list(fence.flushes.items()):
-                if self.reader.flushed(agent, flush):
-                    del fence.flushes[agent]
-                    self._unflushed.discard(agent)
-                    with contextlib.suppress(KVBridgeError):
-                        self.transport.release(flush)
-            if fence.flushes and time.monotonic() > fence.deadline:
-                logger.warning(
-                    "kvbridge decode %s: no flush READ from %s done in %g s after a failed load: closing those "
-                    "endpoints before its blocks are given back",
-                    self.identity,
-                    ", ".join(sorted(fence.flushes)),
-                    self.config.transfer_timeout_s,
-                )
-                if fence.load.engine is not None:
-                    self.peers.drop(fence.load.engine, "a READ released unfinished could not be fenced")
-                for agent in list(fence.flushes):
-                    self._forget_agent(agent)
-                fence.flushes.clear()
-            if fence.flushes:
-                still.append(fence)
-            else:
-                self.failed(fence.load, fence.load.error)
-        self._fences = still
 
     def _descriptors(self, load: Load, engine: Engine) -> dict:
         """Per prefill worker read: coalesced Descriptors, or a PreparedRead where prepared lists pay off."""
@@ -514,15 +381,6 @@ class NixlReads:
         if agent not in self._prepared:
             self._prepared[agent] = prepare(self.transport, self.identity, agent, segments, memory, self.memory)
         return self._prepared[agent]
-
-
-@dataclasses.dataclass
-class Fence:
-    """A failed load whose blocks are held until a flush READ from each agent that was still writing is done."""
-
-    load: Load
-    flushes: dict[str, Transfer]
-    deadline: float
 
 
 def _peer_broken(error: str) -> bool:

@@ -330,9 +330,10 @@ class StagedReads:
 
     def _fence(self, part: StagedPart) -> None:
         """After a READ was released unfinished: NIXL's release does not stop UCX's GET (its data may land later,
-        `NixlReads._fence`), so before the part's slots or KV blocks are reused, wait for a flush READ from the same
-        agent (UCX answers one reader's READs in order). None done within transfer_timeout_s: the part is
-        `unfenced`: its slots are retired, and the load's own fence closes the endpoint before its blocks go back."""
+        `read_fences`), so before the part's slots or KV blocks are reused, wait for a flush READ from the same agent
+        (UCX answers one reader's READs in order). None done within transfer_timeout_s, or the agent waiting for a
+        renewal: the part is `unfenced`: its slots are retired, and the load's own fence renews the agent before its
+        blocks go back."""
         reader, agent = self.reader, part.peer.agent
         with reader.lock:
             flush = reader.post_flush(agent, part.peer.memory)
@@ -345,6 +346,8 @@ class StagedReads:
                 with reader.lock:
                     if reader.flushed(agent, flush):
                         return
+                    if agent in reader.renewing:  # silent: no flush will come, the agent's renewal fences it
+                        break
                 backoff.sleep()
             part.unfenced = True
             logger.warning(

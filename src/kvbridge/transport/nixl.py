@@ -23,8 +23,10 @@ A transport belongs to one thread (NIXL's agent is created without internal lock
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,12 +57,16 @@ class NixlTransport(PreparedListsMixin):
         if not name:
             raise ValueError("a transport needs a non-empty agent name (unique among its peers)")
         self.name = name
+        self.base_name = name
+        self.generation = 0  # how many times `renew` replaced the agent (its name then ends in -g<generation>)
         self.config = config or TransportConfig()
         self.ucx_env: dict[str, str] = {}
         self._agent: Any = None
         self._registered: dict[tuple[int, int, int], MemType] = {}
         self._reg_dlists: list[Any] = []
         self._peers: set[str] = set()
+        self._metadata: dict[str, bytes] = {}  # peer -> the metadata it was added with (for `renew`)
+        self._memories: list[tuple[WorkerMemory, MemType]] = []  # what was registered (for `renew`)
         self._transfers: set[Transfer] = set()
         self._prepared: dict[str, list[PreparedLists]] = {}
         self._inbox: dict[str, list[bytes]] = {}
@@ -105,6 +111,8 @@ class NixlTransport(PreparedListsMixin):
                 self.release(transfer)
             except TransferError as exc:
                 logger.warning("closing %s: %s", self.name, exc)
+                transfer._xfer = None  # its agent is about to go, and its READ with it
+                transfer.state = "RELEASED"
         # Let UCX handle endpoint errors still queued (a dead peer): destroying a worker whose failed endpoint
         # still holds pending operations aborts the process (UCX assertion in arbiter.c).
         self._drain(rounds=3)
@@ -122,11 +130,38 @@ class NixlTransport(PreparedListsMixin):
                 logger.warning("closing %s: removing peer %s failed: %s", self.name, peer, exc)
         self._reg_dlists.clear()
         self._registered.clear()
+        self._memories.clear()
         self._scratch = None
         self._peers.clear()
+        self._metadata.clear()
         self._transfers.clear()
         self._inbox.clear()
         self._agent = None
+
+    def renew(self, drop: frozenset[str] | set[str] = frozenset()) -> None:
+        """Destroy the agent and start another under a new name, with the same memory registered and every peer
+        but `drop` added again (from the metadata they were added with). Transfers in flight are released.
+
+        The fence for READs that may still be queued on a peer: nothing the old agent had in flight can land
+        once it is gone (its UCX worker is destroyed with its endpoints), while `remove_peer` is not enough:
+        NIXL 1.5.1 closes the endpoint in UCX's flush mode, and a READ queued on a stopped peer lands once that
+        peer runs again (tests/nixl/test_nixl_renew.py shows both). About 30 ms on CPU (UCX backend creation)."""
+        memories = list(self._memories)
+        peers = [m for name, m in self._metadata.items() if name not in drop]
+        old = weakref.ref(self._require())
+        self.close()
+        if old() is not None:
+            gc.collect()
+        if old() is not None:  # something still holds it: its endpoints stay open
+            raise TransferError(f"NIXL agent {self.name!r} is still referenced after close: it was not destroyed")
+        self.generation += 1
+        self.name = f"{self.base_name}-g{self.generation}"
+        self.start()
+        for memory, mem_type in memories:
+            self.register(memory, mem_type)
+        for metadata in peers:
+            self.add_peer(metadata)
+        logger.info("NIXL agent %s started in place of the previous one", self.name)
 
     def __enter__(self) -> NixlTransport:
         return self.start()
@@ -170,6 +205,7 @@ class NixlTransport(PreparedListsMixin):
             new.append(region)
         if not new:
             return
+        self._memories.append((WorkerMemory(tuple(new), ()), mem_type))
         rows = np.array([(r.addr, r.nbytes, r.device_id) for r in new], dtype=np.uint64)
         try:
             self._reg_dlists.append(agent.register_memory(rows, mem_type))
@@ -196,6 +232,7 @@ class NixlTransport(PreparedListsMixin):
             raise nixl_error("loading a peer's agent metadata", exc) from exc
         name = name.decode() if isinstance(name, bytes) else str(name)
         self._peers.add(name)
+        self._metadata[name] = metadata
         return name
 
     def remove_peer(self, name: str) -> None:
@@ -203,6 +240,7 @@ class NixlTransport(PreparedListsMixin):
         if name not in self._peers:
             return
         self._peers.discard(name)
+        self._metadata.pop(name, None)
         self._unprepare_peer(name)
         try:
             self._require().remove_remote_agent(name)
