@@ -15,6 +15,7 @@ import pytest
 
 from kvbridge.core.descriptors import Descriptors
 from kvbridge.core.memory import Region, WorkerMemory
+from kvbridge.runtime.host import has_nvidia_gpu
 from kvbridge.transport.nixl import NixlTransport
 from support.nixl_target import NixlTarget
 
@@ -33,8 +34,9 @@ def one_read(src: Region, dst: Region, nbytes: int) -> Descriptors:
 
 @pytest.fixture
 def tcp_only(monkeypatch):
-    """UCX over tcp alone (cma would copy from a stopped process: no READ would wait on it)."""
-    monkeypatch.setenv("UCX_TLS", "self,tcp")
+    """UCX over tcp alone for host memory (cma would copy from a stopped process: no READ would wait on it); where
+    a GPU is present NIXL refuses a UCX_TLS without a CUDA transport, so cuda_copy is named too."""
+    monkeypatch.setenv("UCX_TLS", "self,tcp,cuda_copy" if has_nvidia_gpu() else "self,tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
 
 
