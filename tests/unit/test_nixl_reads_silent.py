@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from kvbridge.runtime import read_fences
 from kvbridge.runtime.read_liveness import Verdict
 from kvbridge.transport.nixl_descriptors import Transfer
 from support.nixl_reads_fakes import RANKS, FakeTransport, make_load, make_reads, note
@@ -139,3 +140,23 @@ def test_without_the_liveness_check_the_load_stays_in_flight():
     fake, reads, load, reports, _ = running_load(None, ran_s=1.0)
     reads.poll()
     assert not reports and reads.holds(load) and ("removed", AGENT) not in fake.events
+
+
+def test_a_renewal_fails_the_loads_of_other_workers_still_running_after_its_wait(monkeypatch):
+    """A load on another worker that does not finish within RENEWAL_WAIT_S fails too, fenced by the same renewal:
+    the loads waiting for the new agent wait no longer. Control: before the wait the renewal waits for it."""
+    monkeypatch.setattr(read_fences, "RENEWAL_WAIT_S", 0.05)
+    liveness = Liveness()
+    fake, reads, silent_load, reports, _ = running_load(liveness, ran_s=1.0)
+    other = make_load(reads, ranks=RANKS[1:])
+    fake.peers.add("prefill-tp1")
+    reads.post(other, note())
+    liveness.pending = {AGENT: Verdict(silent_load.engine.peers[RANKS[0]], "silent")}
+    reads.poll()
+    assert not reports and reads.holds(other)  # within the wait: kept
+    time.sleep(0.06)
+    reads.poll()
+    assert [kind for kind, _ in reports] == ["failed", "failed"], (reports, fake.events)
+    renewed = fake.events.index(("renewed", (AGENT,)))
+    assert all(at > renewed for _, at in reports)  # both reported after the renewal
+    assert "prefill-tp1" in fake.peers  # a worker that answered is kept: no new handshake

@@ -107,6 +107,7 @@ class NixlReads(ReadFences):
         # Agents whose READs only a new agent can fence, while a renewal waits (`_request_renewal`), and the loads
         # posted meanwhile, posted on the new agent.
         self._renewal: set[str] | None = None
+        self._renewal_asked = 0.0  # when the pending renewal was asked for
         self._deferred: list[tuple[Load, wire.Notify]] = []
         # The staged path (staging configured): parts of loads read in large chunks, then scattered.
         tensors = staging_copies(mem_type, regions, memory)
@@ -262,7 +263,7 @@ class NixlReads(ReadFences):
             self._check_fences()
         if self._flushing:
             self._finish_flushes()
-        if self._renewal is not None and self._only_stale_in_flight():
+        if self._renewal is not None and self._renewal_due():
             self._renew()
 
     def _release_all(self, load: Load) -> bool:

@@ -32,6 +32,10 @@ from kvbridge.transport.nixl_descriptors import Transfer
 
 logger = logging.getLogger(__name__)
 
+RENEWAL_WAIT_S = 1.0
+"""How long a renewal of the agent waits for READs on other prefill workers to finish before they fail too (new
+loads wait for the renewal)."""
+
 
 class ReadFences:
     """Fences, flushes, liveness verdicts and the agent's renewal, for `NixlReads` (see the module docstring)."""
@@ -140,10 +144,11 @@ class ReadFences:
         worker is silent, or a flush from it is past its deadline). Removing the agents would not stop them (NIXL
         1.5.1 closes an endpoint in UCX's flush mode: a READ queued on a stopped worker lands when it runs
         again); destroying our agent does (`NixlTransport.renew`). Loads still reading from `agents` fail now;
-        loads reading from other agents finish first; new loads wait and are posted on the new agent; the failed
-        loads are reported once the old agent is gone (`_renew`)."""
+        loads reading from other agents get `RENEWAL_WAIT_S` to finish; new loads wait and are posted on the new
+        agent; the failed loads are reported once the old agent is gone (`_renew`)."""
         if self._renewal is None:
             self._renewal = set()
+            self._renewal_asked = time.monotonic()
             logger.warning(
                 "kvbridge decode %s: %s (%s): renewing this worker's NIXL agent so that nothing of the READs "
                 "left there can land; new loads wait for it",
@@ -163,6 +168,20 @@ class ReadFences:
             else:
                 still.append(load)
         self._active = still
+
+    def _renewal_due(self) -> bool:
+        """Whether the renewal may run now: nothing in flight but READs on the agents it drops, or other READs
+        still running `RENEWAL_WAIT_S` after it was asked for, which then fail too (fenced by the same renewal),
+        so that the loads waiting for the new agent wait no longer than that."""
+        if self._only_stale_in_flight():
+            return True
+        if time.monotonic() - self._renewal_asked < RENEWAL_WAIT_S:
+            return False
+        why = f"READs still running {RENEWAL_WAIT_S:g} s after this worker's NIXL agent had to be renewed"
+        active, self._active = self._active, []
+        for load in active:
+            self._drain_and_fail(load, why)
+        return True
 
     def _only_stale_in_flight(self) -> bool:
         """Whether every READ still held is on an agent the renewal drops (which it will end)."""
@@ -203,10 +222,12 @@ class ReadFences:
             self.failed(fence.load, fence.load.error)
         draining, self._draining = self._draining, []  # READs NIXL would not release: gone with the old agent
         for load in draining:
-            if self._release_all(load):
-                self._settle(load)
+            if not self._release_all(load):
+                self._draining.append(load)  # a staged part still stopping: it will release its READ
+            elif load.error:  # fenced by the renewal: nothing of it can land any more
+                self.failed(load, load.error)
             else:
-                self._draining.append(load)
+                self.loaded(load)
         deferred, self._deferred = self._deferred, []
         for load, note in deferred:
             self._post(load, note)
