@@ -9,6 +9,7 @@ runs again, is aborted by UCX as its queued answer fails: docs/failures.md, "A s
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -58,7 +59,9 @@ def test_a_read_queued_on_a_stopped_peer_lands_only_without_a_renewal(tcp_only, 
         assert not reader.poll(stalled) and not buffer.any()  # queued on the stopped peer
         generation = reader.generation
         if fence == "renew":
+            old = weakref.ref(reader._agent.agent)  # NIXL's bound agent: its UCX worker and endpoints
             reader.renew(drop={peer})
+            assert old() is None, "the old agent outlived the renewal"
             assert reader.generation == generation + 1 and peer not in reader.peers
         else:
             reader.remove_peer(peer)

@@ -19,6 +19,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
 from kvbridge.serving.launcher import free_base_port
+from kvbridge.transport.nixl import NixlTransport
 from kvbridge.wire.params import PrefillDone
 from support.prefill_process import GEOMETRY, PrefillProcess, kv, memory_of, params_of
 
@@ -264,7 +265,7 @@ def stop_mid_read(side, liveness_s: float) -> tuple[DecodeWorker, torch.Tensor, 
 def test_a_prefill_stopped_while_its_reads_run_fails_them_within_three_seconds(side, caplog, liveness_s):
     """NIXL says nothing of a READ that makes no progress: the decode asks the side channel of a worker whose READs
     have run past read_liveness_s whether it is there, and one that does not answer within the answer deadline (2
-    s) fails the loads reading from it (its agent removed first, its engine known dead). Negative control
+    s) fails the loads reading from it (the decode's NIXL agent renewed first, its engine known dead). Negative control
     (read_liveness_s 0): the load waits out transfer_timeout_s (4 s here), then its fence's flush READ as long."""
     _, _, _, ended = stop_mid_read(side, liveness_s)
     print(f"stopped prefill, READs in flight, read_liveness_s {liveness_s}: load failed after {ended[1]:.3f} s")
@@ -279,15 +280,33 @@ def test_a_prefill_stopped_while_its_reads_run_fails_them_within_three_seconds(s
 
 @pytest.mark.parametrize("liveness_s", [0.5, 0.0])
 def test_a_read_from_a_stopped_prefill_writes_nothing_after_its_load_failed(side, liveness_s):
-    """The fence after a silent prefill: its agent removed, then the load reported failed. Once the prefill runs
-    again and a later load has progressed the decode's agent, the failed load's blocks must still hold their
-    sentinel. Both the liveness check and the load's deadline (read_liveness_s 0) end in the same removal."""
+    """The fence after a silent prefill: the decode's NIXL agent renewed, then the load reported failed. Once the
+    prefill runs again and a later load has progressed the decode's agent, the failed load's blocks must still hold
+    their sentinel. Both the liveness check and the load's deadline (read_liveness_s 0) end in the same renewal."""
     decode, buffer, prefill, ended = stop_mid_read(side, liveness_s)
     assert not ended[0]
     time.sleep(0.6)  # past dead_engine_s: the next load connects again
     prefill.hold("after", BLOCKS, "token-after")
     assert outcomes(decode, [job(prefill_port(decode), "after")])["decode-after"][0]
     assert (view(buffer)[:, list(STALLED)] == SENTINEL).all(), "a READ of the failed load wrote after its report"
+
+
+def test_without_the_renewal_a_read_from_a_stopped_prefill_writes_after_its_load_failed(side, monkeypatch):
+    """Negative control of the test above: the fence as it was, the prefill's agent only removed (NIXL closes its
+    endpoint in UCX's flush mode) and the decode's agent kept: the stalled READ lands once the prefill runs."""
+
+    def remove_only(transport: NixlTransport, drop=frozenset()) -> None:
+        for agent in drop:
+            transport.remove_peer(agent)
+
+    monkeypatch.setattr(NixlTransport, "retire", remove_only)
+    monkeypatch.setattr(NixlTransport, "restart", lambda transport: None)
+    decode, buffer, prefill, ended = stop_mid_read(side, 0.5)
+    assert not ended[0]
+    time.sleep(0.6)
+    prefill.hold("after", BLOCKS, "token-after")
+    outcomes(decode, [job(prefill_port(decode), "after")])
+    assert not (view(buffer)[:, list(STALLED)] == SENTINEL).all(), "the control wrote nothing: the test cannot fail"
 
 
 def prefill_port(decode: DecodeWorker) -> int:

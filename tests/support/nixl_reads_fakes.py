@@ -64,8 +64,11 @@ class FakeTransport:
             transfer.state = "DONE"
         return transfer.state != "PROC"
 
-    def renew(self, drop=frozenset()) -> None:
-        """As `NixlTransport.renew`: every READ is released and its DMA ends (the old agent is gone)."""
+    def restart(self) -> None:
+        self.events.append(("restarted", ()))
+
+    def retire(self, drop=frozenset()) -> None:
+        """As `NixlTransport.retire`: every READ is released and its DMA ends (the old agent is gone)."""
         self.peers -= set(drop)
         self.dma_done.update(range(len(self.transfers)))
         for transfer in self.transfers:

@@ -108,13 +108,15 @@ def test_a_renewal_waits_for_the_loads_of_other_workers_and_posts_the_loads_queu
     posted = len([e for e in fake.events if e[0] == "post"])
     reads.post(queued, note())
     assert len([e for e in fake.events if e[0] == "post"]) == posted  # waits for the new agent
+    assert reads.holds(queued)  # held while it waits: the decode worker must not fail it itself
     fake.dma_done.add(1)  # the other load's READ lands
     reads.poll()
     kinds = [kind for kind, _ in reports]
     assert kinds == ["loaded", "failed"], (reports, fake.events)
     renewed = fake.events.index(("renewed", (AGENT,)))
     assert reports[0][1] <= renewed < reports[1][1]  # the other load before, the silent one after the renewal
-    assert fake.events[renewed + 1][0] == "post" and reads.holds(queued)  # then the queued load, on the new agent
+    assert fake.events[renewed + 1] == ("restarted", ())  # the new agent, then the queued load posted on it
+    assert fake.events[renewed + 2][0] == "post" and reads.holds(queued)
 
 
 def test_a_load_within_read_liveness_s_asks_nothing():

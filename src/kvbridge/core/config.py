@@ -63,9 +63,10 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     READ, and a silent prefill (a stopped process, a host or link down) leaves it running until the load's
     deadline; a worker that does not answer within the answer deadline and its retries (`(1 + handshake_retries) *
     handshake_timeout_s`), or whose process is gone, fails every load reading from it, as its deadline would (the
-    agent is removed before the loads are reported), and its engine is known dead for dead_engine_s. A silent
-    prefill then costs at most this plus the answer deadline (2.5 s by default); a slow one that answers keeps its
-    loads. READs done sooner cost nothing. 0: never asked (the load's deadline alone ends it)."""
+    decode's NIXL agent is renewed before the loads are reported), and its engine is known dead for
+    dead_engine_s. A silent prefill then costs at most this plus the answer deadline (2.5 s by default); a slow one
+    that answers keeps its loads. READs done sooner cost nothing. 0: never asked (the load's deadline alone ends
+    it)."""
 
     verify_requests: bool = True
     """Before reading, ask each prefill worker whether it still holds the request with these blocks (one

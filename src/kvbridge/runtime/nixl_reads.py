@@ -108,6 +108,7 @@ class NixlReads(ReadFences):
         # posted meanwhile, posted on the new agent.
         self._renewal: set[str] | None = None
         self._renewal_asked = 0.0  # when the pending renewal was asked for
+        self._restart_after = 0.0  # after a failed restart of the agent: when to try again
         self._deferred: list[tuple[Load, wire.Notify]] = []
         # The staged path (staging configured): parts of loads read in large chunks, then scattered.
         tensors = staging_copies(mem_type, regions, memory)
@@ -126,6 +127,9 @@ class NixlReads(ReadFences):
             self.staged.close()
         with self.reader.lock:
             self._flush_all(CLOSE_FLUSH_S)
+            deferred, self._deferred = self._deferred, []
+        for load, _ in deferred:  # never posted: nothing of them in flight
+            self.failed(load, "the decode worker closed")
         self.transport.close()
 
     @property
@@ -138,9 +142,9 @@ class NixlReads(ReadFences):
         return bool(self._active or self._draining or self._fences or self._renewal is not None)
 
     def holds(self, load: Load) -> bool:
-        """Whether `load`'s READs are posted and being polled."""
+        """Whether `load`'s READs are posted and being polled, or it waits for the agent's renewal to be posted."""
         with self.reader.lock:
-            return load in self._active
+            return load in self._active or any(load is waiting for waiting, _ in self._deferred)
 
     # -- per engine -------------------------------------------------------------------------------
 
@@ -150,6 +154,8 @@ class NixlReads(ReadFences):
         if owner is not None:  # another engine at another address answers under the same name: never replace it
             raise IncompatiblePeerError("agent_name", f"{name} of the engine at {owner[1]}:{owner[2]}", name)
         with self.reader.lock:
+            if self._renewal is not None and name in self._renewal:  # the renewal will drop that name
+                raise TransferError(f"agent {name} waits for this worker's NIXL agent to be renewed; try again")
             if name in self.transport.peers:  # a restarted worker under the same name: its old agent goes
                 self._forget_agent(name)
             return self.transport.add_peer(metadata)
@@ -163,6 +169,7 @@ class NixlReads(ReadFences):
             if self._renewal is not None:
                 self._deferred.append((load, note))
             else:
+                self._restart_if_closed()
                 self._post(load, note)
 
     def _post(self, load: Load, note: wire.Notify) -> None:

@@ -67,6 +67,8 @@ class ReadFences:
     def _flush_all(self, timeout_s: float) -> None:
         """Before the agent closes: flush every agent that may still have answers queued, for up to `timeout_s`."""
         for peer in [p for e in self.peers.all_engines() for p in e.peers.values()]:
+            if self._renewal is not None and peer.agent in self._renewal:
+                continue  # silent: no flush will come; the agent is closed next
             if peer.agent in self._unflushed and peer.agent not in self._flushing:
                 self._start_flush(peer.agent, peer.memory)
         deadline = time.monotonic() + timeout_s
@@ -194,9 +196,9 @@ class ReadFences:
         return True
 
     def _renew(self) -> None:
-        """Nothing else in flight: destroy the agent and start another without the silent agents, report the
-        fenced loads failed, then post the loads that waited."""
-        stale, self._renewal = self._renewal or set(), None
+        """Nothing else in flight: destroy the agent, report the loads it fenced, start another without the silent
+        agents, then post the loads that waited."""
+        stale, self._renewal = (self._renewal or set()) | set(self._flushing), None  # reaped ones mid-flush too
         for agent in stale:
             self._segments.pop(agent, None)
             if self.liveness is not None:
@@ -204,33 +206,67 @@ class ReadFences:
         self._prepared.clear()  # prepared lists belong to the old agent
         self._flushing.clear()  # what it had queued can land nowhere now
         self._unflushed.clear()
+        self.reader.renewing.clear()
         t0 = time.monotonic()
         try:
-            self.transport.renew(drop=stale)
-        except KVBridgeError as exc:  # the old agent is gone all the same: its loads may be reported
-            logger.error("kvbridge decode %s: no new NIXL agent: %s", self.identity, exc)
-        else:
-            logger.warning(
-                "kvbridge decode %s: NIXL agent renewed as %s in %.0f ms",
+            self.transport.retire(drop=stale)
+        except Exception as exc:  # NIXL's agent outlived its close: nothing it had in flight can be called over
+            logger.error(
+                "kvbridge decode %s: %s; the blocks of %d failed loads stay held",
                 self.identity,
-                self.transport.name,
-                (time.monotonic() - t0) * 1e3,
+                exc,
+                len(self._fences) + len(self._draining),
             )
-        self.reader.renewing.clear()
+        else:
+            self._report_fenced()
+        self._restart(t0)
+        deferred, self._deferred = self._deferred, []
+        for load, note in deferred:
+            try:
+                self._post(load, note)
+            except Exception as exc:  # a bug: this load fails, the others are still posted
+                logger.exception("kvbridge decode %s: posting a load that waited for the renewal", self.identity)
+                self._drain_and_fail(load, f"internal error posting after the agent's renewal: {exc}")
+
+    def _report_fenced(self) -> None:
+        """The old agent is gone: the loads it fenced are reported (failed, or done if NIXL only kept a handle)."""
         fences, self._fences = self._fences, []
         for fence in fences:
             self.failed(fence.load, fence.load.error)
-        draining, self._draining = self._draining, []  # READs NIXL would not release: gone with the old agent
+        draining, self._draining = self._draining, []
         for load in draining:
             if not self._release_all(load):
                 self._draining.append(load)  # a staged part still stopping: it will release its READ
-            elif load.error:  # fenced by the renewal: nothing of it can land any more
+            elif load.error:
                 self.failed(load, load.error)
             else:
                 self.loaded(load)
-        deferred, self._deferred = self._deferred, []
-        for load, note in deferred:
-            self._post(load, note)
+
+    def _restart(self, t0: float) -> None:
+        """Start the new agent; on an error the transport stays closed (loads fail, saying so) and `_post` tries
+        again (`_restart_if_closed`)."""
+        try:
+            self.transport.restart()
+        except Exception as exc:
+            logger.error("kvbridge decode %s: no new NIXL agent: %s", self.identity, exc)
+            self._restart_after = time.monotonic() + 1.0
+            return
+        self._restart_after = 0.0
+        logger.warning(
+            "kvbridge decode %s: NIXL agent renewed as %s in %.0f ms",
+            self.identity,
+            self.transport.name,
+            (time.monotonic() - t0) * 1e3,
+        )
+
+    def _restart_if_closed(self) -> None:
+        """Before a post: a transport a failed restart left closed is started again, at most once a second."""
+        if not self._restart_after or time.monotonic() < self._restart_after:
+            return
+        if self.transport.started:
+            self._restart_after = 0.0
+            return
+        self._restart(time.monotonic())
 
     # -- fencing the late writes of released READs ------------------------------------------------
 

@@ -28,6 +28,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,7 @@ class NixlTransport(PreparedListsMixin):
         self._peers: set[str] = set()
         self._metadata: dict[str, bytes] = {}  # peer -> the metadata it was added with (for `renew`)
         self._memories: list[tuple[WorkerMemory, MemType]] = []  # what was registered (for `renew`)
+        self._retired: tuple[list, list[bytes]] = ([], [])  # what `restart` registers and loads
         self._transfers: set[Transfer] = set()
         self._prepared: dict[str, list[PreparedLists]] = {}
         self._inbox: dict[str, list[bytes]] = {}
@@ -138,22 +140,34 @@ class NixlTransport(PreparedListsMixin):
         self._inbox.clear()
         self._agent = None
 
-    def renew(self, drop: frozenset[str] | set[str] = frozenset()) -> None:
-        """Destroy the agent and start another under a new name, with the same memory registered and every peer
-        but `drop` added again (from the metadata they were added with). Transfers in flight are released.
+    def renew(self, drop: AbstractSet[str] = frozenset()) -> None:
+        """Destroy the agent (`retire`) and start another (`restart`). Transfers in flight are released.
 
         The fence for READs that may still be queued on a peer: nothing the old agent had in flight can land
         once it is gone (its UCX worker is destroyed with its endpoints), while `remove_peer` is not enough:
         NIXL 1.5.1 closes the endpoint in UCX's flush mode, and a READ queued on a stopped peer lands once that
         peer runs again (tests/nixl/test_nixl_renew.py shows both). About 30 ms on CPU (UCX backend creation)."""
-        memories = list(self._memories)
-        peers = [m for name, m in self._metadata.items() if name not in drop]
-        old = weakref.ref(self._require())
+        self.retire(drop)
+        self.restart()
+
+    def retire(self, drop: AbstractSet[str] = frozenset()) -> None:
+        """Close the agent and check that NIXL's own agent (which holds the UCX worker and its endpoints) is gone,
+        keeping what `restart` needs: the memory registered and every peer's metadata but `drop`'s. TransferError
+        if something still holds NIXL's agent: its endpoints may still deliver."""
+        self._retired = (list(self._memories), [m for name, m in self._metadata.items() if name not in drop])
+        old = weakref.ref(self._require().agent)  # the bound agent: transfer and list handles hold it too
         self.close()
         if old() is not None:
             gc.collect()
-        if old() is not None:  # something still holds it: its endpoints stay open
+        if old() is not None:
             raise TransferError(f"NIXL agent {self.name!r} is still referenced after close: it was not destroyed")
+
+    def restart(self) -> None:
+        """After `retire`: start an agent under a new name (`<name>-g<n>`), register the same memory and load the
+        peers kept. On an error the transport is left closed; call again."""
+        memories, peers = self._retired
+        if self._agent is not None:
+            self.close()
         self.generation += 1
         self.name = f"{self.base_name}-g{self.generation}"
         self.start()
@@ -205,7 +219,6 @@ class NixlTransport(PreparedListsMixin):
             new.append(region)
         if not new:
             return
-        self._memories.append((WorkerMemory(tuple(new), ()), mem_type))
         rows = np.array([(r.addr, r.nbytes, r.device_id) for r in new], dtype=np.uint64)
         try:
             self._reg_dlists.append(agent.register_memory(rows, mem_type))
@@ -213,6 +226,7 @@ class NixlTransport(PreparedListsMixin):
             raise nixl_error(f"registering {len(new)} {mem_type} regions", exc) from exc
         for r in new:
             self._registered[(r.addr, r.nbytes, r.device_id)] = mem_type
+        self._memories.append((WorkerMemory(tuple(new), ()), mem_type))
 
     def agent_metadata(self) -> bytes:
         """What a peer needs to read from us (connection info and registered memory), for the side channel."""
