@@ -18,6 +18,7 @@ from kvbridge.core.config import BridgeConfig
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
+from kvbridge.runtime.host import has_nvidia_gpu
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.transport.nixl import NixlTransport
 from kvbridge.wire.params import PrefillDone
@@ -278,20 +279,27 @@ def test_a_prefill_stopped_while_its_reads_run_fails_them_within_three_seconds(s
         assert "silent" not in caplog.text
 
 
+@pytest.fixture
+def tcp_only(monkeypatch):
+    """UCX over tcp alone for host memory, in the decode and the prefill process (spawned after this): with cma, a
+    READ copies from the stopped process at once (only its completion waits), so nothing could land late."""
+    monkeypatch.setenv("UCX_TLS", "self,tcp,cuda_copy" if has_nvidia_gpu() else "self,tcp")
+
+
 @pytest.mark.parametrize("liveness_s", [0.5, 0.0])
-def test_a_read_from_a_stopped_prefill_writes_nothing_after_its_load_failed(side, liveness_s):
+def test_a_read_from_a_stopped_prefill_writes_nothing_after_its_load_failed(tcp_only, side, liveness_s):
     """The fence after a silent prefill: the decode's NIXL agent renewed, then the load reported failed. Once the
-    prefill runs again and a later load has progressed the decode's agent, the failed load's blocks must still hold
-    their sentinel. Both the liveness check and the load's deadline (read_liveness_s 0) end in the same renewal."""
-    decode, buffer, prefill, ended = stop_mid_read(side, liveness_s)
+    prefill runs again (over tcp alone UCX may then abort it, its queued answer failing: docs/failures.md), the
+    failed load's blocks must still hold their sentinel. Both the liveness check and the load's deadline
+    (read_liveness_s 0) end in the same renewal. The control is the test below."""
+    _, buffer, prefill, ended = stop_mid_read(side, liveness_s)
     assert not ended[0]
-    time.sleep(0.6)  # past dead_engine_s: the next load connects again
-    prefill.hold("after", BLOCKS, "token-after")
-    assert outcomes(decode, [job(prefill_port(decode), "after")])["decode-after"][0]
+    time.sleep(1.5)  # the resumed prefill answers what it had queued: over a kept endpoint it would land now
+    print(f"renewed, prefill resumed: {'alive' if prefill.process.is_alive() else 'gone'}")
     assert (view(buffer)[:, list(STALLED)] == SENTINEL).all(), "a READ of the failed load wrote after its report"
 
 
-def test_without_the_renewal_a_read_from_a_stopped_prefill_writes_after_its_load_failed(side, monkeypatch):
+def test_without_the_renewal_a_read_from_a_stopped_prefill_writes_after_its_load_failed(tcp_only, side, monkeypatch):
     """Negative control of the test above: the fence as it was, the prefill's agent only removed (NIXL closes its
     endpoint in UCX's flush mode) and the decode's agent kept: the stalled READ lands once the prefill runs."""
 
