@@ -102,7 +102,7 @@ class ReadFences:
         now = time.monotonic()
         if now - load.posted < self.liveness.interval_s:
             return
-        running = {t.peer for t in load.transfers if not t.done} | {p.peer.agent for p in load.staged if not p.finished}
+        running = _running_agents(load)
         for rank, peer in load.engine.peers.items():
             if peer.agent in running:
                 self.liveness.due(peer.agent, load.job.source, rank, peer, now)
@@ -162,10 +162,7 @@ class ReadFences:
         self.reader.renewing |= agents
         still = []
         for load in self._active:
-            running = {t.peer for t in load.transfers if not t.done} | {
-                p.peer.agent for p in load.staged if not p.finished
-            }
-            if running & agents:
+            if _running_agents(load) & agents:
                 self._drain_and_fail(load, why)
             else:
                 still.append(load)
@@ -321,3 +318,8 @@ class Fence:
     flushes: dict[str, Transfer]
     deadline: float
     renewing: bool = False  # past its deadline: reported once the agent is renewed (`_renew`)
+
+
+def _running_agents(load: Load) -> set[str]:
+    """The prefill agents a load's READs (direct or staged) still run on."""
+    return {t.peer for t in load.transfers if not t.done} | {p.peer.agent for p in load.staged if not p.finished}
