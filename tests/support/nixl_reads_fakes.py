@@ -27,7 +27,8 @@ RANKS = (WorkerRank(0, 0), WorkerRank(0, 1))  # a prefill engine of tp=2: one RE
 
 class FakeTransport:
     """What NixlReads calls on NixlTransport, with the test deciding the outcomes. `events` logs, in order:
-    ("post", i), ("post-failed", i), ("release-refused", i), ("released", i), ("release-in-flight", i)."""
+    ("post", i), ("post-failed", i), ("release-refused", i), ("released", i), ("release-in-flight", i), ("flush", i),
+    ("removed", agent), ("renewed", agents), ("restarted", ())."""
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(prepared_lists=False)
@@ -63,6 +64,19 @@ class FakeTransport:
         if i in self.dma_done and transfer.state == "PROC":
             transfer.state = "DONE"
         return transfer.state != "PROC"
+
+    def post_flush(self, agent, region, mem_type="DRAM") -> Transfer:
+        """A flush READ: ("flush", i); its DMA ends when the test says so, as any READ's."""
+        i = len(self.transfers)
+        transfer = Transfer(agent, 64, 1, b"", time.monotonic())
+        self.transfers.append(transfer)
+        self.events.append(("flush", i))
+        self.held.add(i)
+        return transfer
+
+    def remove_peer(self, agent) -> None:
+        self.peers.discard(agent)
+        self.events.append(("removed", agent))
 
     def restart(self) -> None:
         self.events.append(("restarted", ()))

@@ -17,32 +17,18 @@ from types import SimpleNamespace
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.runtime.nixl_reads import NixlReads
-from kvbridge.transport.nixl_descriptors import Transfer
 from support.nixl_reads_fakes import RANKS, FakeTransport, make_load, make_reads, note
 
 AGENT = "prefill-tp0"
 
 
 class FlushFake(FakeTransport):
-    """FakeTransport plus what removing and flushing an agent calls: events ("flush", i), ("removed", agent),
-    ("closed", 0)."""
+    """FakeTransport with one agent loaded, the flush READs' DMA times, and ("closed", 0) at close."""
 
     def __init__(self) -> None:
         super().__init__()
         self.peers = {AGENT}
         self.flushed_at: dict[int, int] = {}  # flush READ -> the event count when its DMA ended
-
-    def post_flush(self, agent, region, mem_type="DRAM") -> Transfer:
-        i = len(self.transfers)
-        transfer = Transfer(agent, 64, 1, b"", time.monotonic())
-        self.transfers.append(transfer)
-        self.events.append(("flush", i))
-        self.held.add(i)
-        return transfer
-
-    def remove_peer(self, agent) -> None:
-        self.peers.discard(agent)
-        self.events.append(("removed", agent))
 
     def close(self) -> None:
         self.events.append(("closed", 0))

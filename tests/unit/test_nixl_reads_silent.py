@@ -16,32 +16,18 @@ from types import SimpleNamespace
 
 from kvbridge.runtime import read_fences
 from kvbridge.runtime.read_liveness import Verdict
-from kvbridge.transport.nixl_descriptors import Transfer
 from support.nixl_reads_fakes import RANKS, FakeTransport, make_load, make_reads, note
 
 AGENT = "prefill-tp0"
 
 
 class SilentFake(FakeTransport):
-    """FakeTransport with agents to remove and flush: events ("flush", i), ("removed", agent). Removing an agent
-    ends the DMA of its READs (its endpoint closed: they fail)."""
+    """FakeTransport with one agent loaded. Removing it leaves its READs' DMA running, as NIXL 1.5.1's flush-mode
+    close does: only the renewal ends it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.peers = {AGENT}
-
-    def post_flush(self, agent, region, mem_type="DRAM") -> Transfer:
-        i = len(self.transfers)
-        transfer = Transfer(agent, 64, 1, b"", time.monotonic())
-        self.transfers.append(transfer)
-        self.events.append(("flush", i))
-        self.held.add(i)
-        return transfer
-
-    def remove_peer(self, agent) -> None:
-        self.peers.discard(agent)
-        self.events.append(("removed", agent))
-        self.dma_done.update(i for i, t in enumerate(self.transfers) if t.peer == agent)
 
 
 class Liveness:
