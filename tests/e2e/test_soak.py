@@ -31,14 +31,12 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -56,6 +54,7 @@ from kvbridge.serving.launcher import (
 )
 from kvbridge.wire.params import parse_prefill_done
 from support.hosts import Host, connector_on, network_hosts, server_on, slowed, when_sent
+from support.proxy import proxy_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
@@ -71,22 +70,9 @@ MID_READ = 200_000
 SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
-@contextlib.contextmanager
-def proxy(prefill: str, decode: str, key_file: str) -> Iterator[str]:
+def proxy(prefill: str, decode: str, key_file: str, log_path: Path) -> contextlib.AbstractContextManager[str]:
     cmd = [sys.executable, "-m", "kvbridge.serving.cli", "proxy", "--prefill", prefill, "--decode", decode]
-    cmd += ["--port", "0", "--auth-key-file", key_file]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line
-        yield line.split()[-1]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return proxy_process([*cmd, "--port", "0", "--auth-key-file", key_file], log_path)
 
 
 def prompt(rng: random.Random, n: int | None = None) -> list[int]:
@@ -248,7 +234,7 @@ def test_fault_soak(tmp_path, tiny_model):
             )
 
         prefill, decode = prefill_server("prefill"), decode_server("decode")
-        with running((prefill, decode)), proxy(prefill.url, decode.url, str(key_file)) as url:
+        with running((prefill, decode)), proxy(prefill.url, decode.url, str(key_file), tmp_path / "proxy.log") as url:
             figures = run_soak(model, prefill, decode, prefill_server, decode_server, url, dh)
     figures["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(figures, indent=1))

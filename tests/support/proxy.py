@@ -4,13 +4,16 @@ receive and notice disconnects, the proxy in a thread or as a process, and the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -254,22 +257,41 @@ BODY = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0, 
 
 
 @contextmanager
-def proxy_process(cmd: list[str]) -> Iterator[str]:
-    """Run `kvbridge proxy` as a user does; yield the URL it prints; stop it with SIGTERM."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("kvbridge proxy listening on http://127.0.0.1:"), line
-        url = line.split()[-1]
-        wait_for(lambda: _answers(url), timeout=20)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
+def proxy_process(cmd: list[str], log_path: Path | None = None) -> Iterator[str]:
+    """Run `kvbridge proxy` as a user does; yield the URL it prints; stop it with SIGTERM.
+
+    Its output goes to `log_path` (a temporary file if None), never to a pipe: a pipe nobody drains fills after
+    some 64 KiB of log lines, and the proxy's event loop then blocks on its next log write."""
+    with contextlib.ExitStack() as stack:
+        if log_path is None:
+            log_path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbridge-proxy-"))) / "proxy.log"
+        log = stack.enter_context(open(log_path, "w"))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            url = _listening_url(proc, log_path)
+            wait_for(lambda: _answers(url), timeout=20)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _listening_url(proc: subprocess.Popen, log_path: Path, timeout: float = 30.0) -> str:
+    """The URL of the proxy's first output line, once written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(log_path) as f:
+            line = f.readline()
+        if line.endswith("\n"):
+            assert line.startswith("kvbridge proxy listening on http://127.0.0.1:"), line
+            return line.split()[-1]
+        assert proc.poll() is None, f"the proxy exited ({proc.returncode}): {log_path.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"the proxy printed no URL within {timeout} s"
+        time.sleep(0.05)
 
 
 def _answers(url: str) -> bool:
