@@ -6,6 +6,7 @@ silent mid-load fails it after `kv_stream_stall_s` while a slow but live one sti
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
@@ -24,6 +25,7 @@ from kvbridge.runtime.stream_reads import StreamReads
 from kvbridge.runtime.stream_server import KvStreamServer
 from kvbridge.transport.kv_stream import stream_key
 from kvbridge.wire.params import PrefillDone
+from support.hosts import network_hosts
 
 KEY = b"stream-reads-unit-test-key-0123456789"
 GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=2, head_size=16, dtype="float32", block_size=4)
@@ -51,6 +53,7 @@ class Reader:
         config = BridgeConfig(kv_stream_chunk_bytes=1 << 16, **extra)
         layout = ParallelLayout()
         self.done: dict[str, str] = {}
+        self.unreachable: list[tuple[Engine, str]] = []
         self.event = threading.Event()
         self.reads = StreamReads(
             WorkerIdentity("decode", layout, 0, RANK, GEOMETRY),
@@ -59,6 +62,7 @@ class Reader:
             KEY,
             loaded=lambda load: self._report(load, ""),
             failed=lambda load, error: self._report(load, error),
+            unreachable=lambda engine, why: self.unreachable.append((engine, why)),
         ).start()
         peer = Peer("p", self.src.memory, "e", stream_port=port)
         self.engine = Engine(("p", "127.0.0.1", 1, 0), layout, {RANK: peer}, make_plan(layout, layout, GEOMETRY))
@@ -74,13 +78,16 @@ class Reader:
         assert self.event.wait(timeout_s)
         return self.done[request_id]
 
-    def launch(self, request_id: str, src: list[int], dst: list[int], deadline_s: float = 20.0) -> None:
-        """Start a load whose deadline is `deadline_s` away; `event` is set when it is reported."""
+    def launch(
+        self, request_id: str, src: list[int], dst: list[int], deadline_s: float = 20.0, host: str = "127.0.0.1"
+    ) -> None:
+        """Start a load whose deadline is `deadline_s` away, from the prefill at `host`; `event` is set when it is
+        reported."""
         source = PrefillDone(
             remote_engine_id="p",
             remote_request_id=request_id,
             remote_block_ids=src,
-            remote_host="127.0.0.1",
+            remote_host=host,
             remote_port=1,
             remote_layout="pp=1,tp=1",
             remote_token="t",
@@ -398,3 +405,63 @@ def test_a_load_launched_after_close_is_reported_failed_not_raised(served):
     reader.reads.close()
     error = reader.load("b", list(range(40)), list(range(40)))
     assert "shutdown" in error or "kv stream reads" in error, error
+
+
+@pytest.mark.parametrize("whose", ["its engine", "another engine"])
+def test_cutting_an_engine_fails_its_loads_in_flight_at_once(whose):
+    """A load in flight from a server gone silent (stall bound 30 s): `cut` of its engine (known dead, or its host
+    unreachable) fails it within a fraction of a second, naming why, and nothing lands after the report. The
+    control: cutting another engine leaves it waiting, and once the server sends again it loads exact."""
+    silent = SilentAfter(after=3)
+    reader = Reader(silent.server.port, silent.src, kv_stream_connections=2, kv_stream_stall_s=30.0)
+    blocks = list(range(100))
+    try:
+        reader.launch("r", blocks, blocks, deadline_s=20.0)
+        assert _wait(lambda: silent.silent_at, 10), "the server went silent"
+        other = Engine(("q", "127.0.0.1", 2, 0), reader.engine.layout, reader.engine.peers, reader.engine.plan)
+        cut_at = time.monotonic()
+        reader.reads.cut(reader.engine if whose == "its engine" else other, "its host is unreachable")
+        if whose == "another engine":
+            assert not reader.event.wait(1.0), "a load of another engine was cut"
+            silent.gate.set()
+            assert reader.event.wait(10)
+            assert reader.done["r"] == ""
+            assert all(np.array_equal(reader.dst.block(b), silent.src.block(b)) for b in blocks)
+            return
+        assert reader.event.wait(5)
+        assert reader.reported_at - cut_at < 0.5, f"failed {reader.reported_at - cut_at:.2f} s after the cut"
+        assert "prefill engine p is down: its host is unreachable" in reader.done["r"], reader.done["r"]
+        assert reader.reads.parts == 0, "not reported loaded"
+        after = reader.dst.buf.copy()
+        silent.gate.set()  # the server sends again, into shut connections
+        time.sleep(0.5)
+        assert np.array_equal(reader.dst.buf, after), "a block was written after the load was reported failed"
+    finally:
+        silent.close()
+        reader.reads.close()
+
+
+@pytest.mark.parametrize("link_timeout_s", [0.5, 0.0])
+def test_a_prefill_host_cut_off_fails_the_load_within_link_timeout_s_and_is_reported_unreachable(link_timeout_s):
+    """The prefill's host is a test host whose link is down (`support.hosts`): the KV channel's connect gets no
+    answer. With link_timeout_s 0.5 the load fails within about that, naming it, and the engine is reported
+    unreachable (the decode worker then knows it dead and cuts its other loads); the control, 0, waits out the
+    connect's answer deadline (handshake_timeout_s, 1 s) and reports nothing unreachable."""
+    with network_hosts("prefill") as hosts:
+        host = hosts["prefill"]
+        subprocess.run(["ip", "link", "set", host.link, "down"], check=True)
+        reader = Reader(5700, Side(5), link_timeout_s=link_timeout_s)
+        try:
+            started = time.monotonic()
+            reader.launch("r", [1, 2], [1, 2], host=host.ip)
+            assert reader.event.wait(5)
+            took, error = reader.reported_at - started, reader.done["r"]
+        finally:
+            reader.reads.close()
+    if link_timeout_s:
+        assert took < link_timeout_s + 0.3, took
+        assert f"no connection to {host.ip}:5700 within 0.5 s (link_timeout_s)" in error, error
+        assert [engine for engine, _ in reader.unreachable] == [reader.engine]
+    else:
+        assert took >= 0.9 and "link_timeout_s" not in error, (took, error)
+        assert not reader.unreachable

@@ -51,6 +51,11 @@ class TransferTimeout(TransferError):
     """A transfer or handshake did not complete within its deadline."""
 
 
+class HostUnreachable(TransferTimeout):
+    """The peer's host did not accept a connection, or acknowledge bytes sent to it, within `link_timeout_s`: the
+    host or the link to it is down. Known from TCP, whatever its processes do."""
+
+
 class PeerGone(TransferError):
     """The peer's process is gone: its side channel refused the connection, or reset it and then refused a new
     one. Known at once, so no deadline is waited out for it."""

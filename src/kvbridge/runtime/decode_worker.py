@@ -133,6 +133,7 @@ class DecodeWorker:
             sealer=self.sealer,
             max_sockets=config.side_channel_sockets_per_thread,
             max_answer_bytes=config.side_channel_max_answer_bytes,
+            link_timeout_s=config.link_timeout_s,
         )
         self.peers = PeerBook(
             identity, memory, config, self._handshakes, self._add_agent, self.sealer, self._ipc_connect
@@ -155,7 +156,9 @@ class DecodeWorker:
         self.ipc: IpcReads | None = None  # when this worker may read through CUDA IPC (from start())
         # kvbridge's KV channel: engines on other hosts where NIXL does not cross hosts (`peers`, `Engine.stream`)
         self.stream = (
-            StreamReads(identity, memory, config, key, loaded=self._copied_stream, failed=self._fail)
+            StreamReads(
+                identity, memory, config, key, loaded=self._copied_stream, failed=self._fail, unreachable=self._dead
+            )
             if key and mem_type == "DRAM"
             else None
         )
@@ -293,7 +296,7 @@ class DecodeWorker:
                 try:
                     stale = self._claim(load, engine)
                 except TransferError as exc:  # gone (refused) or silent past the deadline: not worth a wait again
-                    self.peers.mark_dead(engine, str(exc))
+                    self._dead(engine, str(exc))
                     raise
                 if stale:
                     self.peers.drop(engine, f"worker {stale} restarted (new epoch)")
@@ -344,6 +347,13 @@ class DecodeWorker:
             # the CUDA IPC path checks the block ids and launches its kernels while the claim is on the wire
             while_waiting=(lambda: self._launch_in_claim(load)) if self._launches_here(load) else None,
         )
+
+    def _dead(self, engine: Engine, why: str) -> None:
+        """`engine` is gone, silent or unreachable: later loads naming it fail at once (`PeerBook.mark_dead`), and
+        so do its loads in flight on the KV channel, rather than each waiting out its own deadlines."""
+        self.peers.mark_dead(engine, why)
+        if self.stream is not None:
+            self.stream.cut(engine, why)
 
     def _launch_in_claim(self, load: Load) -> None:
         """Launch a CUDA IPC load's kernels while its claim is on the wire (once, whatever the claim's rounds): a

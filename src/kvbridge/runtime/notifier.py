@@ -70,6 +70,7 @@ class Notifier:
             sealer=self.sealer,
             max_sockets=self.config.side_channel_sockets_per_thread,
             max_answer_bytes=self.config.side_channel_max_answer_bytes,
+            link_timeout_s=self.config.link_timeout_s,
         )
         try:
             while (item := self._notes.get()) is not None:

@@ -187,6 +187,7 @@ class PeerBook:
                 sealer=self.sealer,
                 identity=identity(source, rank),
                 max_answer_bytes=self.config.side_channel_max_answer_bytes,
+                link_timeout_s=self.config.link_timeout_s,
             )
             if reply.engine_id != source.remote_engine_id:
                 raise IncompatiblePeerError("engine_id", source.remote_engine_id, reply.engine_id)

@@ -24,7 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.errors import PeerGone, TransferTimeout
+from kvbridge.core.errors import HostUnreachable, PeerGone, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.peers import Peer, address, gone_check, identity
@@ -100,6 +100,7 @@ class ReadLiveness:
             retries=self.config.handshake_retries,
             sealer=self.sealer,
             max_answer_bytes=self.config.side_channel_max_answer_bytes,
+            link_timeout_s=self.config.link_timeout_s,
         )
         try:
             [answer] = client.exchange_all(
@@ -118,7 +119,8 @@ class ReadLiveness:
             if isinstance(answer, (TransferTimeout, PeerGone)):
                 host, port = address(source, rank)
                 gone = isinstance(answer, PeerGone)
-                said = str(answer) if gone else f"no answer in {self.deadline_s:g} s"
+                known = gone or isinstance(answer, HostUnreachable)
+                said = str(answer) if known else f"no answer in {self.deadline_s:g} s"
                 self._verdicts[agent] = Verdict(
                     peer,
                     f"prefill worker {rank} of {source.remote_engine_id} is {'gone' if gone else 'silent'} while READs "

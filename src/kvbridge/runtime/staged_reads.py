@@ -119,6 +119,7 @@ class StagedReads:
             sealer=sealer,
             max_sockets=config.side_channel_sockets_per_thread,
             max_answer_bytes=config.side_channel_max_answer_bytes,
+            link_timeout_s=config.link_timeout_s,
         )
         self._running: set[StagedPart] = set()
         self._announced: set[str] = set()  # prefill agents whose first staged read was logged

@@ -11,6 +11,8 @@ claim step), on this object's threads:
     all done -> loaded(load): the decode worker reports it and tells every prefill worker (Notify)
     any error (also no byte for `kv_stream_stall_s`, a silent prefill) -> the load's other connections are cut,
     and once none of its threads can still scatter -> failed(load, error)
+    a prefill worker's host unreachable (no connection within `link_timeout_s`) -> `unreachable(engine, why)`:
+    the decode worker knows the engine dead, and `cut` ends every load in flight from it the same way
 
 So no byte lands in a block after the load was reported. A connection is returned to the pool only after a whole
 part and its StreamEnd; a failed one is closed. Chunks are laid out as the staged NIXL path lays them out
@@ -31,7 +33,7 @@ import numpy as np
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.descriptors import block_lists
-from kvbridge.core.errors import KVBridgeError, RequestParamsError, TransferError, TransferTimeout
+from kvbridge.core.errors import HostUnreachable, KVBridgeError, RequestParamsError, TransferError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.segments import Segments, worker_segments
@@ -101,9 +103,11 @@ class StreamReads:
         *,
         loaded: Callable[[Load], None],
         failed: Callable[[Load, str], None],
+        unreachable: Callable[[Engine, str], None] | None = None,
     ) -> None:
         """`key`: the deployment key (the channel derives its own, `stream_key`). `loaded(load)` and
-        `failed(load, error)` report a load once nothing of it can still write its blocks."""
+        `failed(load, error)` report a load once nothing of it can still write its blocks; `unreachable(engine,
+        why)`: a prefill worker of `engine` did not accept a connection within link_timeout_s."""
         self.identity = identity
         self.memory = memory
         self.config = config
@@ -112,6 +116,8 @@ class StreamReads:
         self.mode = "encrypt" if config.kv_stream_encrypt else "integrity"
         self.loaded = loaded
         self.failed = failed
+        self.unreachable = unreachable
+        self._running: set[_Tracker] = set()  # the loads with parts in flight (`cut`)
         self._views = host_copy.HostViews(memory.regions)
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[tuple[StreamConnection, float]]] = {}
@@ -157,6 +163,8 @@ class StreamReads:
             return
         tracker = _Tracker(load, len(jobs))
         load.descriptors = len(jobs)
+        with self._lock:
+            self._running.add(tracker)
         for k, (part, first, step) in enumerate(jobs):
             try:
                 self._pool.submit(self._run, tracker, part, first, step)
@@ -169,8 +177,22 @@ class StreamReads:
                     tracker.left -= len(jobs) - k
                     last = tracker.left == 0
                 if last:
+                    with self._lock:
+                        self._running.discard(tracker)
                     self.failed(load, tracker.error)
                 return
+
+    def cut(self, engine: Engine, why: str) -> None:
+        """Fail every load in flight from `engine` (its host is unreachable, or it is known dead): their
+        connections are shut at once, and each load is reported failed once none of its threads can still scatter."""
+        with self._lock:
+            trackers = [t for t in self._running if t.load.engine is engine]
+        for tracker in trackers:
+            with tracker.lock:
+                if not tracker.error:
+                    tracker.error = f"kv stream: prefill engine {engine.key[0]} is down: {why}"
+                    for sock in tracker.socks:
+                        shut(sock)
 
     def _parts(self, load: Load, engine: Engine) -> list[_Part]:
         job, source = load.job, load.job.source
@@ -246,6 +268,8 @@ class StreamReads:
             if not isinstance(exc, (KVBridgeError, OSError)):
                 logger.exception("kvbridge decode %s: kv stream read failed", self.identity)
             error = f"kv stream from prefill worker {part.rank}: {exc}" if not tracker.error else ""
+            if isinstance(exc, HostUnreachable) and self.unreachable is not None:
+                self.unreachable(tracker.load.engine, error or str(exc))
         with tracker.lock:
             if error and not tracker.error:
                 tracker.error = error
@@ -254,6 +278,8 @@ class StreamReads:
             tracker.left -= 1
             last = tracker.left == 0
         if last:
+            with self._lock:
+                self._running.discard(tracker)
             if tracker.error:
                 self.failed(tracker.load, tracker.error)
             else:
@@ -367,12 +393,21 @@ class StreamReads:
         if left <= 0:
             raise TransferTimeout("kv stream: the load's deadline passed")
         timeout = min(left, self.config.handshake_timeout_s)
+        link = self.config.link_timeout_s
+        connect = min(timeout, link) if link > 0 else timeout
         try:
-            sock = socket.create_connection(address, timeout=timeout)
+            sock = socket.create_connection(address, timeout=connect)
         except TimeoutError as exc:
-            raise TransferTimeout(f"no connection to {address[0]}:{address[1]} within {timeout:g} s") from exc
+            if link > 0 and connect == link:
+                raise HostUnreachable(
+                    f"no connection to {address[0]}:{address[1]} within {connect:g} s (link_timeout_s): its host "
+                    "or the link to it is down"
+                ) from exc
+            raise TransferTimeout(f"no connection to {address[0]}:{address[1]} within {connect:g} s") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if link > 0:  # bytes sent and not acknowledged this long: the connection is aborted
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(link * 1000)))
             sock.settimeout(timeout)
             return client_handshake(sock, self.key, self.mode, self.key_id), False
         except TimeoutError as exc:

