@@ -465,3 +465,22 @@ def test_a_prefill_host_cut_off_fails_the_load_within_link_timeout_s_and_is_repo
     else:
         assert took >= 0.9 and "link_timeout_s" not in error, (took, error)
         assert not reader.unreachable
+
+
+def test_a_connect_in_progress_is_given_up_when_its_engine_is_cut():
+    """A load whose KV channel connect waits on a cut-off host (connect deadline 3 s): `cut` of its engine ends it
+    within a fraction of a second, not at the connect's deadline."""
+    with network_hosts("prefill") as hosts:
+        host = hosts["prefill"]
+        subprocess.run(["ip", "link", "set", host.link, "down"], check=True)
+        reader = Reader(5700, Side(5), link_timeout_s=0.0, handshake_timeout_s=3.0)
+        try:
+            reader.launch("r", [1, 2], [1, 2], host=host.ip)
+            assert not reader.event.wait(0.3), "the connect waits"
+            cut_at = time.monotonic()
+            reader.reads.cut(reader.engine, "its host is unreachable")
+            assert reader.event.wait(5)
+        finally:
+            reader.reads.close()
+    assert reader.reported_at - cut_at < 0.2, reader.reported_at - cut_at
+    assert "prefill engine p is down: its host is unreachable" in reader.done["r"], reader.done["r"]
