@@ -21,10 +21,7 @@ part and its StreamEnd; a failed one is closed. Chunks are laid out as the stage
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import select
 import socket
 import threading
 import time
@@ -404,7 +401,7 @@ class StreamReads:
         link = self.config.link_timeout_s
         connect = min(timeout, link) if link > 0 else timeout
         try:
-            sock = _connect(address, connect, lambda: bool(tracker.error))
+            sock = connect(address, connect, lambda: bool(tracker.error))
         except TimeoutError as exc:
             if link > 0 and connect == link:
                 raise HostUnreachable(
@@ -466,35 +463,3 @@ def _group_message(group: _Group) -> sm.StreamGroup:
 
 def _fields(request: sm.StreamRead) -> dict:
     return {f: getattr(request, f) for f in request.__struct_fields__}
-
-
-CONNECT_POLL_S = 0.02
-"""How often a connect in progress checks whether its load failed meanwhile."""
-
-
-def _connect(address: tuple[str, int], timeout_s: float, stopped: Callable[[], bool]) -> socket.socket:
-    """A TCP connection to `address` (its first address), blocking once made; TimeoutError after `timeout_s`, and
-    TransferError as soon as `stopped()` (checked every CONNECT_POLL_S): a connect to a host that went silent
-    holds no thread past its load's failure."""
-    family, kind, proto, _, addr = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setblocking(False)
-        err = sock.connect_ex(addr)
-        if err in (errno.EINPROGRESS, errno.EAGAIN):
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            deadline = time.monotonic() + timeout_s
-            while not poller.poll(max(1, round(min(deadline - time.monotonic(), CONNECT_POLL_S) * 1000))):
-                if stopped():
-                    raise TransferError("stopped: another part of the load failed")
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"no connection within {timeout_s:g} s")
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            raise OSError(err, os.strerror(err))
-        sock.setblocking(True)
-        return sock
-    except BaseException:
-        sock.close()
-        raise

@@ -27,11 +27,14 @@ Zero-copy where it pays: `encrypt_into` / `decrypt_into` into buffers owned by t
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import os
+import select
 import socket
 import struct
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -263,3 +266,43 @@ def shut(sock: socket.socket) -> None:
     """Shut both directions of `sock` (a thread blocked on it returns), ignoring a socket already gone."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+CONNECT_POLL_S = 0.02
+"""How often a connect in progress checks whether its load failed meanwhile."""
+
+
+def connect(address: tuple[str, int], timeout_s: float, stopped: Callable[[], bool]) -> socket.socket:
+    """A TCP connection to `address` (each of its addresses in turn, as `socket.create_connection`), blocking once
+    made; TimeoutError after `timeout_s` in all, and TransferError as soon as `stopped()` (checked every
+    CONNECT_POLL_S): a connect to a host that went silent holds no thread past its load's failure."""
+    deadline = time.monotonic() + timeout_s
+    error: OSError = OSError(f"no address for {address[0]}")
+    for family, kind, proto, _, addr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(addr)
+            if err in (errno.EINPROGRESS, errno.EAGAIN):
+                poller = select.poll()
+                poller.register(sock, select.POLLOUT)
+                while not poller.poll(max(1, round(min(deadline - time.monotonic(), CONNECT_POLL_S) * 1000))):
+                    if stopped():
+                        raise TransferError("stopped: another part of the load failed")
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"no connection within {timeout_s:g} s")
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
+            sock.setblocking(True)
+            return sock
+        except (TimeoutError, TransferError):
+            sock.close()
+            raise
+        except OSError as exc:  # refused or unreachable at this address: the next one
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise error
