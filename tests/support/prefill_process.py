@@ -1,6 +1,6 @@
 """A kvbridge prefill worker in a process of its own, to kill, stop or restart under a decode worker.
 
-`PrefillProcess(port, engine, seed)` starts a spawned process holding a `PrefillWorker` whose KV (one CPU buffer,
+`PrefillProcess(port, engine, seed)` starts a process (forked from a fork server) holding a `PrefillWorker` whose KV (one CPU buffer,
 LBHNC) is seeded from `seed`; `hold` pins requests there; `linger` makes its sockets outlive it (a child forked
 with them); `stall_reads` keeps its NIXL agent from serving READs a while (its side channel still answers);
 `kill`, `stop` (SIGSTOP), `resume` (SIGCONT) and `close` act on it. `kv(seed)` is what such a
@@ -55,7 +55,18 @@ def memory_of(buffer: torch.Tensor):
     return synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, BLOCKS, buffer.data_ptr())
 
 
-def _main(port: int, engine: str, seed: int, say_pid: bool, commands, ready) -> None:
+def _context():
+    """Processes forked from one server process that imported torch and this module once: a prefill process then
+    starts in a fraction of a second, where a spawned one imports torch anew (seconds on a busy 2-core host). The
+    server holds no NIXL agent, socket or thread: each process still builds its own worker after the fork."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def _main(port: int, engine: str, seed: int, say_pid: bool, commands, ready, env: dict[str, str]) -> None:
+    os.environ.clear()  # the environment of the caller now (UCX_TLS set by a test), not of the fork server
+    os.environ.update(env)
     from kvbridge.runtime.prefill_worker import PrefillWorker
 
     buffer = kv(seed)
@@ -100,11 +111,11 @@ def _main(port: int, engine: str, seed: int, say_pid: bool, commands, ready) -> 
 class PrefillProcess:
     def __init__(self, port: int, engine: str, seed: int, say_pid: bool = True) -> None:
         """`say_pid`: whether the worker says its process in the handshake (`HandshakeReply.pid`)."""
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._commands = ctx.Queue()
         self._ready = ctx.Queue()
         self.process = ctx.Process(
-            target=_main, args=(port, engine, seed, say_pid, self._commands, self._ready), daemon=True
+            target=_main, args=(port, engine, seed, say_pid, self._commands, self._ready, dict(os.environ)), daemon=True
         )
         self.process.start()
         self.pid, self.started = self._ready.get(timeout=60)
