@@ -14,6 +14,8 @@ from kvbridge.core.config import BridgeConfig
 from kvbridge.core.topology import KVGeometry, ParallelLayout
 from kvbridge.testing.transfer_scenario import Scenario, release_problems, run_transfer
 
+pytestmark = pytest.mark.usefixtures("transfers_forked")  # worker processes from support.fork_server
+
 
 def seed_of(*names: str) -> int:
     """A seed per parameter set, the same on every run (str hash() changes with PYTHONHASHSEED)."""
