@@ -20,6 +20,7 @@ import os
 from hypothesis import HealthCheck, settings
 
 from kvbridge.serving import launcher
+from support.fork_server import transfers_forked  # noqa: F401 (a fixture, taken by name)
 
 PROFILE_ENV = "KVBRIDGE_HYPOTHESIS_PROFILE"
 

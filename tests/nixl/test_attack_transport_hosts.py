@@ -18,9 +18,10 @@ byte for byte. The control: the same clients holding the key are answered.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
-import time
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,8 @@ def run_attacks(tmp_path: Path, ucx_tcp: bool) -> dict:
             wait_for(work / "snapshot.bin", victim)
             got["victim_kv"] = (work / "snapshot.bin").read_bytes()
             got["crash"] = attack("crash")
-            time.sleep(2)  # a crash is not instant: the READ is served by the victim's progress
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a crash is not instant: the READ is served by
+                victim.wait(timeout=2)  # the victim's progress; one that lives is watched the whole 2 s
             got["victim_rc"] = victim.poll()
         got["victim_log"] = (work / "victim.log").read_text(errors="replace")[-3000:]
         return got

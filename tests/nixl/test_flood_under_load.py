@@ -37,6 +37,7 @@ from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer, destination
 from kvbridge.wire.params import PrefillDone
+from support import fork_server
 
 pytestmark = pytest.mark.nixl
 
@@ -234,17 +235,17 @@ def pair():
 
 
 def attacker(port: int, key: bytes, idle: int = IDLE, max_s: float = 30.0, thread: bool = False):
-    """The attacker started: in a process of its own, or (`thread`: the controls, which measure no memory and
-    need no import of a fresh interpreter) on a thread of this one."""
+    """The attacker started: in a process of its own (`support.fork_server`), or (`thread`: the controls, which
+    measure no memory) on a thread of this one."""
     if thread:
         ready, stop, report = queue.Queue(), threading.Event(), queue.Queue()
         args = (port, key, TARGETS, idle, ready, stop, report, max_s)
         proc = threading.Thread(target=_attack, args=args, daemon=True)
+        proc.start()
     else:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = fork_server.context()
         ready, stop, report = ctx.Queue(), ctx.Event(), ctx.Queue()
-        proc = ctx.Process(target=_attack, args=(port, key, TARGETS, idle, ready, stop, report, max_s), daemon=True)
-    proc.start()
+        proc = fork_server.start(_attack, port, key, TARGETS, idle, ready, stop, report, max_s)
     return proc, ready, stop, report
 
 

@@ -38,7 +38,7 @@ def memory_of(buffer: torch.Tensor):
 @pytest.fixture
 def workers(request):
     threads, handshake_threads = getattr(request, "param", (8, None))
-    config = BridgeConfig(side_channel_port=free_base_port(1), handshake_timeout_s=1.0, handshake_retries=2)
+    config = BridgeConfig(side_channel_port=free_base_port(1), handshake_timeout_s=1.0, handshake_retries=1)
     layout = ParallelLayout()
     prefill_kv = torch.randn(1 << 14)
     decode_kv = torch.zeros(1 << 14)
@@ -102,7 +102,7 @@ def latencies(workers) -> tuple[list[float], list[float]]:
     OTHERS.clear()
     healthy_load(prefill, decode, config, -1)  # connect once: both series then read a cached engine
     alone = [healthy_load(prefill, decode, config, i) for i in range(10)]
-    for i in range(3):  # three requests to the silent engine, each would wait 3 x 1 s for its handshake
+    for i in range(3):  # three requests to the silent engine, each would wait 2 x 1 s for its handshake
         decode.load(LoadJob(f"decode-silent-{i}", source("silent", silent_port, f"s{i}"), ((5, 6),), ((1, 2),)))
     time.sleep(0.05)
     return alone, [healthy_load(prefill, decode, config, 100 + i) for i in range(10)]
@@ -234,7 +234,7 @@ def test_a_slow_loads_log_says_where_its_time_went():
 
 
 def many_silent_then_healthy(workers, engines: int = 20) -> float:
-    """Loads to `engines` silent engines (each its own engine id: its own handshake, 3 x 1 s), then one
+    """Loads to `engines` silent engines (each its own engine id: its own handshake, 2 x 1 s), then one
     load from the healthy engine, already connected: seconds to its report."""
     prefill, decode, config, silent_port = workers
     OTHERS.clear()
@@ -257,5 +257,5 @@ def test_handshakes_to_many_silent_engines_do_not_hold_the_claims_of_a_connected
 @pytest.mark.parametrize("workers", [(8, 0)], indirect=True)
 def test_negative_control_handshakes_on_the_control_pool_do_hold_them(workers):
     """The oracle can tell: with the handshakes on the 8 control threads (before), the same load waits for the
-    first 8 silent handshakes to time out (3 s)."""
+    first 8 silent handshakes to time out (2 s)."""
     assert many_silent_then_healthy(workers) > 1.0

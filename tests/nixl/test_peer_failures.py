@@ -241,15 +241,17 @@ def stalled_job(port: int, request_id: str) -> LoadJob:
     return LoadJob(f"decode-{request_id}", source(port, request_id), (STALLED,), (tuple(BLOCKS),))
 
 
-def stop_mid_read(side, liveness_s: float) -> tuple[DecodeWorker, torch.Tensor, PrefillProcess, tuple[bool, float]]:
+def stop_mid_read(
+    side, liveness_s: float, timeout_s: float = TIMEOUT_S
+) -> tuple[DecodeWorker, torch.Tensor, PrefillProcess, tuple[bool, float]]:
     """A load whose READs run on a stopped prefill: with claims off they are posted onto it (UCX over tcp serves a
     READ only when its target progresses: they run and make no progress, as READs in flight when a prefill stops
     do). Once the load is reported its blocks are set to SENTINEL (as vLLM's recompute would write them), then the
     prefill runs again. Returns the decode, its buffer, the prefill and the load's (loaded, seconds from queueing to
-    its report)."""
+    its report). `timeout_s`: the decode's transfer_timeout_s."""
     make_decode, make_prefill, port = side
     decode, buffer = make_decode(
-        verify_requests=False, transfer_timeout_s=TIMEOUT_S, read_liveness_s=liveness_s, dead_engine_s=0.5
+        verify_requests=False, transfer_timeout_s=timeout_s, read_liveness_s=liveness_s, dead_engine_s=0.5
     )
     prefill = make_prefill(seed=1)
     warm(decode, prefill, port)
@@ -291,8 +293,9 @@ def test_a_read_from_a_stopped_prefill_writes_nothing_after_its_load_failed(tcp_
     """The fence after a silent prefill: the decode's NIXL agent renewed, then the load reported failed. Once the
     prefill runs again (over tcp alone UCX may then abort it, its queued answer failing: docs/failures.md), the
     failed load's blocks must still hold their sentinel. Both the liveness check and the load's deadline
-    (read_liveness_s 0) end in the same renewal. The control is the test below."""
-    _, buffer, prefill, ended = stop_mid_read(side, liveness_s)
+    (read_liveness_s 0) end in the same renewal. The control is the test below. Without the liveness check the
+    deadline ends the load, and when does not matter here: 2.5 s (the deadline, then the flush READ as long)."""
+    _, buffer, prefill, ended = stop_mid_read(side, liveness_s, timeout_s=TIMEOUT_S if liveness_s else 2.5)
     assert not ended[0]
     time.sleep(1.5)  # the resumed prefill answers what it had queued: over a kept endpoint it would land now
     print(f"renewed, prefill resumed: {'alive' if prefill.process.is_alive() else 'gone'}")

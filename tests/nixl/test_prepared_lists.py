@@ -194,7 +194,7 @@ def test_prepared_reads_move_exactly_the_requests_bytes(pair, layout):
         pytest.param("pp=1", "pp=1", 2, marks=pytest.mark.matrix),
     ],
 )
-def test_the_decode_runtime_reads_through_prepared_lists(prefill, decode, heads, monkeypatch):
+def test_the_decode_runtime_reads_through_prepared_lists(prefill, decode, heads, monkeypatch, transfers_forked):
     """The same checks as test_transfer_processes, with KVBRIDGE_NIXL_PREPARED_LISTS=1 in every worker process
     (scattered blocks: each read goes through its peer's prepared lists; two requests reuse them)."""
     from kvbridge.runtime.prepared_reads import PREPARED_LISTS_ENV

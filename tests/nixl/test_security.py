@@ -6,7 +6,6 @@ The same attacks against real vLLM servers are in test_e2e_trust.py.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import threading
 import time
@@ -23,6 +22,7 @@ from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer, destination
 from kvbridge.wire.side_channel_client import exchange
+from support import fork_server
 from support.prefill_workers import prefill_worker
 
 pytestmark = pytest.mark.nixl
@@ -109,8 +109,7 @@ def test_a_flood_of_unauthenticated_and_oversized_frames_is_dropped_without_memo
 
     thread = threading.Thread(target=legit, daemon=True)
     thread.start()
-    attacker = multiprocessing.get_context("spawn").Process(target=_flood, args=(keyed.port,))
-    attacker.start()
+    attacker = fork_server.start(_flood, keyed.port)
     attacker.join(timeout=60)
     stop.set()
     thread.join(timeout=10)

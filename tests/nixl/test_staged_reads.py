@@ -13,6 +13,8 @@ from kvbridge.core.config import BridgeConfig
 from kvbridge.core.topology import KVGeometry, ParallelLayout
 from kvbridge.testing.transfer_scenario import Scenario, release_problems, run_transfer
 
+pytestmark = pytest.mark.usefixtures("transfers_forked")  # worker processes from support.fork_server
+
 STAGED = BridgeConfig(
     lease_s=30.0,
     handshake_timeout_s=5.0,

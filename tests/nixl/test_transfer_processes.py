@@ -14,6 +14,8 @@ from kvbridge.core.config import BridgeConfig
 from kvbridge.core.topology import KVGeometry, ParallelLayout
 from kvbridge.testing.transfer_scenario import Scenario, release_problems, run_transfer
 
+pytestmark = pytest.mark.usefixtures("transfers_forked")  # worker processes from support.fork_server
+
 
 def seed_of(*names: str) -> int:
     """A seed per parameter set, the same on every run (str hash() changes with PYTHONHASHSEED)."""
@@ -108,14 +110,17 @@ def test_the_release_check_notices_a_request_never_freed():
     assert "prefill worker pp0/tp0: freed more than once: ['prefill-req-0']" in release_problems(scenario, twice)
 
 
-SHORT_LEASE = BridgeConfig(lease_s=4.0, handshake_timeout_s=5.0, transfer_timeout_s=30.0)
+# A claim the prefill can only answer as not held (nothing held, or a wrong token) is retried for claim_window_s
+# (10 s by default) before the load fails: 1 s here, the refusal being the same however long it is retried.
+REFUSED = BridgeConfig(lease_s=30.0, handshake_timeout_s=5.0, transfer_timeout_s=60.0, claim_window_s=1.0)
+SHORT_LEASE = BridgeConfig(lease_s=4.0, handshake_timeout_s=5.0, transfer_timeout_s=30.0, claim_window_s=1.0)
 REFUSALS = {
     # case: (what the prefill holds / the decode side brings, how the prefill frees the request)
     # - unheld: nothing held (it was freed, or expired): nothing to free
     # - prompt_hash: held, but the params name another prompt: the reader's abort (right token) frees it at once
     # - token: held, but the params carry another token: the abort is refused too, only the lease frees it
-    "unheld": ({"held": False}, None),
-    "prompt_hash": ({"wrong": "prompt_hash"}, "abort"),
+    "unheld": ({"held": False, "config": REFUSED}, None),
+    "prompt_hash": ({"wrong": "prompt_hash", "config": REFUSED}, "abort"),
     "token": ({"wrong": "token", "config": SHORT_LEASE}, "expiry"),
 }
 

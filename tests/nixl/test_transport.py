@@ -21,6 +21,7 @@ from kvbridge.transport.backoff import Backoff
 from kvbridge.transport.nixl import FLUSH_BYTES, NixlTransport
 from kvbridge.transport.nixl_config import TransportConfig, apply_ucx_env
 from kvbridge.transport.nixl_descriptors import descriptor_arrays
+from support import fork_server
 from support.nixl_peer import (
     DecodeSide,
     Scenario,
@@ -30,8 +31,8 @@ from support.nixl_peer import (
     reference_kv,
 )
 
-CTX = mp.get_context("spawn")
-STARTUP_S = 60.0  # a spawned peer imports torch and creates its agents; generous for a loaded 2-core machine
+CTX = fork_server.context()
+STARTUP_S = 60.0  # a peer imports torch and creates its agents; generous for a loaded 2-core machine
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +51,7 @@ class Peers:
 
     def spawn(self, target, *args):
         parent, child = CTX.Pipe()
-        proc = CTX.Process(target=target, args=(child, *args), daemon=True)
-        proc.start()
+        proc = fork_server.start(target, child, *args)
         child.close()
         self.procs.append((proc, parent))
         return proc, parent

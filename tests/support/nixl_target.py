@@ -4,12 +4,12 @@ holding `fill` and progresses its agent until closed; `metadata` and `region` ar
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
 
 from kvbridge.core.memory import Region
+from support import fork_server
 
 
 def _main(nbytes: int, fill: int, out, done) -> None:
@@ -30,10 +30,9 @@ def _main(nbytes: int, fill: int, out, done) -> None:
 
 class NixlTarget:
     def __init__(self, nbytes: int, fill: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = fork_server.context()
         out, self._done = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=_main, args=(nbytes, fill, out, self._done), daemon=True)
-        self.process.start()
+        self.process = fork_server.start(_main, nbytes, fill, out, self._done)
         self.metadata, self.region = out.get(timeout=60)
 
     @property

@@ -1,16 +1,15 @@
 """A kvbridge prefill worker in a process of its own, to kill, stop or restart under a decode worker.
 
-`PrefillProcess(port, engine, seed)` starts a spawned process holding a `PrefillWorker` whose KV (one CPU buffer,
-LBHNC) is seeded from `seed`; `hold` pins requests there; `linger` makes its sockets outlive it (a child forked
-with them); `stall_reads` keeps its NIXL agent from serving READs a while (its side channel still answers);
-`kill`, `stop` (SIGSTOP), `resume` (SIGCONT) and `close` act on it. `kv(seed)` is what such a
-process's buffer holds, to tell whose bytes a decode read.
+`PrefillProcess(port, engine, seed)` starts a process (`support.fork_server`) holding a `PrefillWorker` whose KV
+(one CPU buffer, LBHNC) is seeded from `seed`; `hold` pins requests there; `linger` makes its sockets outlive it (a
+child forked with them); `stall_reads` keeps its NIXL agent from serving READs a while (its side channel still
+answers); `kill`, `stop` (SIGSTOP), `resume` (SIGCONT) and `close` act on it. `kv(seed)` is what such a process's
+buffer holds, to tell whose bytes a decode read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -23,6 +22,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.wire.params import PrefillDone
+from support import fork_server
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
 BLOCKS = 16
@@ -100,13 +100,10 @@ def _main(port: int, engine: str, seed: int, say_pid: bool, commands, ready) -> 
 class PrefillProcess:
     def __init__(self, port: int, engine: str, seed: int, say_pid: bool = True) -> None:
         """`say_pid`: whether the worker says its process in the handshake (`HandshakeReply.pid`)."""
-        ctx = mp.get_context("spawn")
+        ctx = fork_server.context()
         self._commands = ctx.Queue()
         self._ready = ctx.Queue()
-        self.process = ctx.Process(
-            target=_main, args=(port, engine, seed, say_pid, self._commands, self._ready), daemon=True
-        )
-        self.process.start()
+        self.process = fork_server.start(_main, port, engine, seed, say_pid, self._commands, self._ready)
         self.pid, self.started = self._ready.get(timeout=60)
         self._lingering: list[int] = []
 

@@ -55,9 +55,13 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.ask_to_stop()
         self.thread.join(10)
         self.sock.close()
+
+    def ask_to_stop(self) -> None:
+        """Start the shutdown (uvicorn notices it within its 0.1 s tick); `stop` waits for it."""
+        self.server.should_exit = True
 
 
 def prompt_key(body: dict[str, Any]) -> str:
@@ -218,6 +222,8 @@ def running(*apps: Any) -> Iterator[list[ServerThread]]:
             servers.append(ServerThread(app).start())
         yield servers
     finally:
+        for server in servers:  # every server shuts down at once, not one tick after another
+            server.ask_to_stop()
         for server in servers:
             server.stop()
 
