@@ -42,7 +42,7 @@ from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load
 from kvbridge.runtime.peers import Engine
 from kvbridge.transport import host_copy
-from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, StreamConnection, client_handshake, shut
+from kvbridge.transport.kv_stream import KIND_DATA, KIND_MESSAGE, StreamConnection, client_handshake, connect, shut
 from kvbridge.wire import messages as wire
 from kvbridge.wire import stream_messages as sm
 from kvbridge.wire.affinity import unpin_this_thread
@@ -399,16 +399,16 @@ class StreamReads:
             raise TransferTimeout("kv stream: the load's deadline passed")
         timeout = min(left, self.config.handshake_timeout_s)
         link = self.config.link_timeout_s
-        connect = min(timeout, link) if link > 0 else timeout
+        wait = min(timeout, link) if link > 0 else timeout
         try:
-            sock = connect(address, connect, lambda: bool(tracker.error))
+            sock = connect(address, wait, lambda: bool(tracker.error))
         except TimeoutError as exc:
-            if link > 0 and connect == link:
+            if link > 0 and wait == link:
                 raise HostUnreachable(
-                    f"no connection to {address[0]}:{address[1]} within {connect:g} s (link_timeout_s): its host "
+                    f"no connection to {address[0]}:{address[1]} within {wait:g} s (link_timeout_s): its host "
                     "or the link to it is down"
                 ) from exc
-            raise TransferTimeout(f"no connection to {address[0]}:{address[1]} within {connect:g} s") from exc
+            raise TransferTimeout(f"no connection to {address[0]}:{address[1]} within {wait:g} s") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if link > 0:  # bytes sent and not acknowledged this long: the connection is aborted
