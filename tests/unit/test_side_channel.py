@@ -701,3 +701,21 @@ def test_work_while_waiting_runs_once_after_the_send_and_overlaps_the_round_trip
             assert took < 0.3 + 0.2  # the round trip ran beside the work, not after it
         finally:
             client.close()
+
+
+def test_a_refused_connect_stays_a_refusal_with_a_link_timeout() -> None:
+    """With link_timeout_s, a port nobody listens on is still a gone process (PeerGone, at once), not an
+    unreachable host: the connect failed long before its deadline."""
+    port = _free_port()
+    client = scc.SideChannelClient(timeout_s=2.0, retries=1, link_timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        [answer] = client.exchange_all([(HOST, port)], wire.Ack())
+        assert type(answer) is PeerGone, answer
+        assert time.monotonic() - started < 0.2
+    finally:
+        client.close()
+    started = time.monotonic()
+    with pytest.raises(PeerGone):
+        scc.exchange(HOST, port, wire.Ack(), timeout_s=2.0, retries=1, link_timeout_s=0.5)
+    assert time.monotonic() - started < 0.2

@@ -6,96 +6,17 @@ silent mid-load fails it after `kv_stream_stall_s` while a slow but live one sti
 from __future__ import annotations
 
 import socket
-import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from kvbridge.core.config import BridgeConfig
-from kvbridge.core.identity import WorkerIdentity
-from kvbridge.core.memory import synthesize_memory
-from kvbridge.core.plan import make_plan
-from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime import stream_reads
-from kvbridge.runtime.load import Load, LoadJob
-from kvbridge.runtime.peers import Engine, Peer
-from kvbridge.runtime.stream_reads import StreamReads
+from kvbridge.runtime.peers import Engine
 from kvbridge.runtime.stream_server import KvStreamServer
 from kvbridge.transport.kv_stream import stream_key
-from kvbridge.wire.params import PrefillDone
-from support.hosts import network_hosts
-
-KEY = b"stream-reads-unit-test-key-0123456789"
-GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=2, head_size=16, dtype="float32", block_size=4)
-BLOCKS = 128
-RANK = WorkerRank(0, 0)
-
-
-class Side:
-    def __init__(self, seed: int | None) -> None:
-        probe = synthesize_memory("LBHNC", GEOMETRY, list(range(4)), 2, BLOCKS, 0)
-        n = probe.regions[0].nbytes
-        self.buf = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8) if seed else np.zeros(n, np.uint8)
-        self.memory = synthesize_memory("LBHNC", GEOMETRY, list(range(4)), 2, BLOCKS, self.buf.ctypes.data)
-
-    def block(self, b: int) -> np.ndarray:
-        per = self.buf.nbytes // (4 * BLOCKS)
-        return np.concatenate(
-            [self.buf[(layer * BLOCKS + b) * per : (layer * BLOCKS + b + 1) * per] for layer in range(4)]
-        )
-
-
-class Reader:
-    def __init__(self, port: int, src: Side, **extra) -> None:
-        self.src, self.dst = src, Side(None)
-        config = BridgeConfig(kv_stream_chunk_bytes=1 << 16, **extra)
-        layout = ParallelLayout()
-        self.done: dict[str, str] = {}
-        self.unreachable: list[tuple[Engine, str]] = []
-        self.event = threading.Event()
-        self.reads = StreamReads(
-            WorkerIdentity("decode", layout, 0, RANK, GEOMETRY),
-            self.dst.memory,
-            config,
-            KEY,
-            loaded=lambda load: self._report(load, ""),
-            failed=lambda load, error: self._report(load, error),
-            unreachable=lambda engine, why: self.unreachable.append((engine, why)),
-        ).start()
-        peer = Peer("p", self.src.memory, "e", stream_port=port)
-        self.engine = Engine(("p", "127.0.0.1", 1, 0), layout, {RANK: peer}, make_plan(layout, layout, GEOMETRY))
-        self.engine.stream = True
-
-    def _report(self, load, error: str) -> None:
-        self.done[load.job.request_id] = error
-        self.reported_at = time.monotonic()
-        self.event.set()
-
-    def load(self, request_id: str, src: list[int], dst: list[int], timeout_s: float = 10.0) -> str:
-        self.launch(request_id, src, dst)
-        assert self.event.wait(timeout_s)
-        return self.done[request_id]
-
-    def launch(
-        self, request_id: str, src: list[int], dst: list[int], deadline_s: float = 20.0, host: str = "127.0.0.1"
-    ) -> None:
-        """Start a load whose deadline is `deadline_s` away, from the prefill at `host`; `event` is set when it is
-        reported."""
-        source = PrefillDone(
-            remote_engine_id="p",
-            remote_request_id=request_id,
-            remote_block_ids=src,
-            remote_host=host,
-            remote_port=1,
-            remote_layout="pp=1,tp=1",
-            remote_token="t",
-        )
-        now = time.monotonic()
-        self.event.clear()
-        job = LoadJob(request_id, source, (tuple(dst),), (tuple(src),))
-        self.reads.launch(Load(job, now, now + deadline_s, self.engine))
+from support.stream_reader import BLOCKS, KEY, Reader, Side, SilentAfter
 
 
 @pytest.fixture
@@ -174,31 +95,6 @@ def test_a_server_that_stops_mid_part_fails_the_load_after_its_last_scatter():
         gate.set()
         reader.reads.close()
         server.close()
-
-
-class SilentAfter:
-    """A server whose claim check (`still`, before every chunk) blocks on `gate` from its `after`-th call on: it
-    sends nothing more while its connections stay open, as a prefill whose host was stopped mid-transfer."""
-
-    def __init__(self, after: int) -> None:
-        self.src = Side(5)
-        self.after = after
-        self.gate = threading.Event()
-        self.calls = 0
-        self.silent_at = 0.0
-        self.server = KvStreamServer(self.src.memory, stream_key(KEY), lambda r: 1e18, still=self._still).start()
-
-    def _still(self, request) -> bool:
-        self.calls += 1
-        if self.calls >= self.after:
-            if not self.silent_at:
-                self.silent_at = time.monotonic()
-            self.gate.wait(30)
-        return True
-
-    def close(self) -> None:
-        self.gate.set()
-        self.server.close()
 
 
 @pytest.mark.parametrize("stall_s", [0.5, 30.0])
@@ -439,48 +335,3 @@ def test_cutting_an_engine_fails_its_loads_in_flight_at_once(whose):
     finally:
         silent.close()
         reader.reads.close()
-
-
-@pytest.mark.parametrize("link_timeout_s", [0.5, 0.0])
-def test_a_prefill_host_cut_off_fails_the_load_within_link_timeout_s_and_is_reported_unreachable(link_timeout_s):
-    """The prefill's host is a test host whose link is down (`support.hosts`): the KV channel's connect gets no
-    answer. With link_timeout_s 0.5 the load fails within about that, naming it, and the engine is reported
-    unreachable (the decode worker then knows it dead and cuts its other loads); the control, 0, waits out the
-    connect's answer deadline (handshake_timeout_s, 1 s) and reports nothing unreachable."""
-    with network_hosts("prefill") as hosts:
-        host = hosts["prefill"]
-        subprocess.run(["ip", "link", "set", host.link, "down"], check=True)
-        reader = Reader(5700, Side(5), link_timeout_s=link_timeout_s)
-        try:
-            started = time.monotonic()
-            reader.launch("r", [1, 2], [1, 2], host=host.ip)
-            assert reader.event.wait(5)
-            took, error = reader.reported_at - started, reader.done["r"]
-        finally:
-            reader.reads.close()
-    if link_timeout_s:
-        assert took < link_timeout_s + 0.3, took
-        assert f"no connection to {host.ip}:5700 within 0.5 s (link_timeout_s)" in error, error
-        assert [engine for engine, _ in reader.unreachable] == [reader.engine]
-    else:
-        assert took >= 0.9 and "link_timeout_s" not in error, (took, error)
-        assert not reader.unreachable
-
-
-def test_a_connect_in_progress_is_given_up_when_its_engine_is_cut():
-    """A load whose KV channel connect waits on a cut-off host (connect deadline 3 s): `cut` of its engine ends it
-    within a fraction of a second, not at the connect's deadline."""
-    with network_hosts("prefill") as hosts:
-        host = hosts["prefill"]
-        subprocess.run(["ip", "link", "set", host.link, "down"], check=True)
-        reader = Reader(5700, Side(5), link_timeout_s=0.0, handshake_timeout_s=3.0)
-        try:
-            reader.launch("r", [1, 2], [1, 2], host=host.ip)
-            assert not reader.event.wait(0.3), "the connect waits"
-            cut_at = time.monotonic()
-            reader.reads.cut(reader.engine, "its host is unreachable")
-            assert reader.event.wait(5)
-        finally:
-            reader.reads.close()
-    assert reader.reported_at - cut_at < 0.2, reader.reported_at - cut_at
-    assert "prefill engine p is down: its host is unreachable" in reader.done["r"], reader.done["r"]

@@ -52,14 +52,16 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Further attempts after a side-channel attempt timed out or its connection was reset (not after a refusal)."""
 
     link_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.5
-    """Decode side: how long a connection to a prefill worker may wait on the prefill host's TCP stack before the
-    host counts as unreachable (its link or the host itself down): a connect not accepted, or bytes sent and not
-    acknowledged, for this long (TCP_USER_TIMEOUT; ZMQ's TCP_MAXRT and CONNECT_TIMEOUT on the side channel). The
-    host's kernel accepts and acknowledges whatever its processes do, so a busy or stopped prefill is not taken for
-    an unreachable one (the answer deadline, handshake_timeout_s, covers those). A side-channel message to an
-    unreachable host then fails in about twice this (the connection's abort, then a fresh connect) instead of
-    `(1 + handshake_retries) * handshake_timeout_s`; the engine is known dead for dead_engine_s, and the KV channel
-    reads in flight from it are cut at once. 0: the kernel's defaults (minutes)."""
+    """Decode side: how long a connection to a prefill worker may wait on the prefill host's TCP stack: a connect
+    not accepted, or bytes sent and not acknowledged, for this long ends the attempt (TCP_USER_TIMEOUT; ZMQ's
+    TCP_MAXRT and CONNECT_TIMEOUT on the side channel). Two such in a row (an aborted connection then a connect, or
+    two connects: one lost SYN is sent again only after 1 s) make the host unreachable, its link or the host itself
+    down. The host's kernel accepts and acknowledges whatever its processes do, so a stopped or busy prefill
+    whose kernel answers is not taken for an unreachable one (the answer deadline, handshake_timeout_s, covers
+    those); a prefill whose listen queue overflows drops connects as an unreachable host does. A side-channel
+    message to an unreachable host then fails in about twice this instead of `(1 + handshake_retries) *
+    handshake_timeout_s`; the engine is known dead for dead_engine_s, and the decode worker cuts its KV channel
+    loads in flight from it. 0: the kernel's defaults (minutes)."""
 
     transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 25.0
     """A load not complete this long after it was queued fails (and follows kv_load_failure_policy). It is also

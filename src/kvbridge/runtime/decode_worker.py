@@ -42,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.core.errors import KVBridgeError, TransferError, TransferTimeout
+from kvbridge.core.errors import HostUnreachable, KVBridgeError, PeerGone, TransferError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import WorkerMemory
 from kvbridge.core.topology import WorkerRank
@@ -296,7 +296,10 @@ class DecodeWorker:
                 try:
                     stale = self._claim(load, engine)
                 except TransferError as exc:  # gone (refused) or silent past the deadline: not worth a wait again
-                    self._dead(engine, str(exc))
+                    if isinstance(exc, (PeerGone, HostUnreachable)):  # not merely slow: its reads cannot go on
+                        self._dead(engine, str(exc))
+                    else:
+                        self.peers.mark_dead(engine, str(exc))
                     raise
                 if stale:
                     self.peers.drop(engine, f"worker {stale} restarted (new epoch)")
@@ -349,8 +352,9 @@ class DecodeWorker:
         )
 
     def _dead(self, engine: Engine, why: str) -> None:
-        """`engine` is gone, silent or unreachable: later loads naming it fail at once (`PeerBook.mark_dead`), and
-        so do its loads in flight on the KV channel, rather than each waiting out its own deadlines."""
+        """`engine`'s process is gone or its host unreachable: later loads naming it fail at once
+        (`PeerBook.mark_dead`), and so do its loads in flight on the KV channel, rather than each waiting out its
+        stall bound. (A side channel that is merely silent leaves reads that still receive bytes going.)"""
         self.peers.mark_dead(engine, why)
         if self.stream is not None:
             self.stream.cut(engine, why)

@@ -21,6 +21,7 @@ part and its StreamEnd; a failed one is closed. Chunks are laid out as the stage
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -186,10 +187,10 @@ class StreamReads:
         """Fail every load in flight from `engine` (its host is unreachable, or it is known dead): their
         connections are shut at once, and each load is reported failed once none of its threads can still scatter."""
         with self._lock:
-            trackers = [t for t in self._running if t.load.engine is engine]
+            trackers = [t for t in self._running if t.load.engine.key == engine.key]
         for tracker in trackers:
             with tracker.lock:
-                if not tracker.error:
+                if not tracker.error and tracker.left > 0:
                     tracker.error = f"kv stream: prefill engine {engine.key[0]} is down: {why}"
                     for sock in tracker.socks:
                         shut(sock)
@@ -269,7 +270,10 @@ class StreamReads:
                 logger.exception("kvbridge decode %s: kv stream read failed", self.identity)
             error = f"kv stream from prefill worker {part.rank}: {exc}" if not tracker.error else ""
             if isinstance(exc, HostUnreachable) and self.unreachable is not None:
-                self.unreachable(tracker.load.engine, error or str(exc))
+                try:
+                    self.unreachable(tracker.load.engine, error or str(exc))
+                except Exception:  # the load must still be counted down and reported
+                    logger.exception("kvbridge decode %s: reporting an unreachable prefill failed", self.identity)
         with tracker.lock:
             if error and not tracker.error:
                 tracker.error = error
@@ -277,11 +281,12 @@ class StreamReads:
                     shut(sock)
             tracker.left -= 1
             last = tracker.left == 0
+            failure = tracker.error
         if last:
             with self._lock:
                 self._running.discard(tracker)
-            if tracker.error:
-                self.failed(tracker.load, tracker.error)
+            if failure:
+                self.failed(tracker.load, failure)
             else:
                 with self._lock:
                     self.parts += 1
@@ -342,7 +347,13 @@ class StreamReads:
             if end is None or end.error or end.chunks != len(chunks):
                 raise TransferError(f"bad end of part: {end}")
             done = True
-        except TimeoutError as exc:  # the socket's timeout: no byte within it
+        except TimeoutError as exc:  # the socket's timeout: no byte within it, or TCP_USER_TIMEOUT's abort
+            if exc.errno == errno.ETIMEDOUT:
+                host, port = part.address
+                raise TransferTimeout(
+                    f"the connection to {host}:{port} was aborted: bytes sent to it unacknowledged for "
+                    f"{self.config.link_timeout_s:g} s (link_timeout_s)"
+                ) from exc
             if not stall:
                 raise TransferTimeout("kv stream: the load's deadline passed") from exc
             host, port = part.address
@@ -400,15 +411,20 @@ class StreamReads:
         timeout = min(left, self.config.handshake_timeout_s)
         link = self.config.link_timeout_s
         wait = min(timeout, link) if link > 0 else timeout
+        tries = 2 if link > 0 and 2 * link <= timeout else 1  # one lost SYN is no verdict: a second connect
         try:
-            sock = connect(address, wait, lambda: bool(tracker.error))
+            sock = connect(address, wait, lambda: bool(tracker.error), tries)
         except TimeoutError as exc:
-            if link > 0 and wait == link:
+            if tries == 2:
                 raise HostUnreachable(
-                    f"no connection to {address[0]}:{address[1]} within {wait:g} s (link_timeout_s): its host "
-                    "or the link to it is down"
+                    f"no connection to {address[0]}:{address[1]} in 2 connects of {wait:g} s (link_timeout_s): "
+                    "its host or the link to it is down"
                 ) from exc
             raise TransferTimeout(f"no connection to {address[0]}:{address[1]} within {wait:g} s") from exc
+        except OSError as exc:
+            if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):  # no route, or no answer to ARP
+                raise HostUnreachable(f"no connection to {address[0]}:{address[1]}: {exc.strerror}") from exc
+            raise
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if link > 0:  # bytes sent and not acknowledged this long: the connection is aborted

@@ -272,10 +272,21 @@ CONNECT_POLL_S = 0.02
 """How often a connect in progress checks whether its load failed meanwhile."""
 
 
-def connect(address: tuple[str, int], timeout_s: float, stopped: Callable[[], bool]) -> socket.socket:
+def connect(address: tuple[str, int], timeout_s: float, stopped: Callable[[], bool], tries: int = 1) -> socket.socket:
     """A TCP connection to `address` (each of its addresses in turn, as `socket.create_connection`), blocking once
-    made; TimeoutError after `timeout_s` in all, and TransferError as soon as `stopped()` (checked every
-    CONNECT_POLL_S): a connect to a host that went silent holds no thread past its load's failure."""
+    made. Each connect waits at most `timeout_s`, and one that timed out is made again up to `tries` connects in
+    all; TimeoutError when the last timed out. TransferError as soon as `stopped()` (checked every CONNECT_POLL_S):
+    a connect to a host that went silent holds no thread past its load's failure."""
+    for attempt in range(tries):
+        try:
+            return _connect_once(address, timeout_s, stopped)
+        except TimeoutError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _connect_once(address: tuple[str, int], timeout_s: float, stopped: Callable[[], bool]) -> socket.socket:
     deadline = time.monotonic() + timeout_s
     error: OSError = OSError(f"no address for {address[0]}")
     for family, kind, proto, _, addr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):

@@ -58,8 +58,9 @@ def exchange(
     idempotent. With `sealer`
     each attempt is sealed afresh for the worker `identity` names, and an answer that is not the authentic answer
     to it is not taken. An answer over `max_answer_bytes` is cut by ZMQ (a reset: retried, then it times out).
-    `link_timeout_s` (0: the kernel's defaults): HostUnreachable, final, when a connect is not answered for this
-    long; a connection whose bytes go unacknowledged for this long is aborted (a reset).
+    `link_timeout_s` (0: the kernel's defaults): a connect not answered for this long ends its attempt, and
+    HostUnreachable is raised when the last attempt ended so (one lost SYN is not a verdict: the kernel sends it
+    again only after 1 s); a connection whose bytes go unacknowledged for this long is aborted (a reset).
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -94,7 +95,7 @@ def exchange(
                     _note_skew(address, exc)
                     attempts += 1  # once: the next attempt is timed by the peer's clock
                     continue
-            if gone in (REFUSED, UNREACHABLE):
+            if gone == REFUSED:
                 break
             logger.debug("side channel %s: attempt %d: %s", address, attempt, gone)
         finally:
@@ -197,6 +198,7 @@ class SideChannelClient:
             for i, (host, port) in enumerate(targets)
         }
         answers: dict[str, wire.Message | Exception] = {}
+        unreachable: set[str] = set()  # the connect of its last attempt was not answered within link_timeout_s
         checks = {addresses[i]: check for i, check in enumerate(gone_checks) if check is not None}
         skewed: set[str] = set()  # answered "stale" once: asked again, timed by the peer's clock
         timeout_ms = max(1, round(self.timeout_s * 1000))
@@ -207,6 +209,7 @@ class SideChannelClient:
             pending = [a for a in dict.fromkeys(addresses) if a not in answers]
             if not pending:
                 break
+            unreachable.difference_update(pending)
             polling: dict[zmq.Socket, str] = {}
             watching: dict[zmq.Socket, str] = {}
             nonces: dict[str, bytes] = {}
@@ -247,8 +250,8 @@ class SideChannelClient:
                         self._drop(address)
                         if gone == REFUSED:
                             answers[address] = _gone(address, message, started)
-                        elif gone == UNREACHABLE:
-                            answers[address] = _unreachable(address, message, started, self.link_timeout_s)
+                        elif gone == UNREACHABLE:  # this attempt ends; the next one connects afresh
+                            unreachable.add(address)
                         continue
                     if sock not in polling:  # a monitor of an answered peer, in the same batch
                         continue
@@ -285,6 +288,8 @@ class SideChannelClient:
             for address in polling.values():  # unanswered: a late answer must not meet the next message
                 self._drop(address)
                 logger.debug("side channel %s: attempt %d timed out", address, attempt)
+        for address in unreachable:
+            answers.setdefault(address, _unreachable(address, message, started, self.link_timeout_s))
         for address in addresses:
             answers.setdefault(
                 address,
