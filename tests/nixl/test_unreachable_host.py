@@ -166,7 +166,7 @@ def test_a_connect_in_progress_is_given_up_when_its_engine_is_cut():
             reader.launch("r", [1, 2], [1, 2], host=host.ip)
             assert not reader.event.wait(0.3), "the connect waits"
             cut_at = time.monotonic()
-            reader.reads.cut(reader.engine, "its host is unreachable")
+            reader.reads.cut(reader.engine.key, "its host is unreachable")
             assert reader.event.wait(5)
         finally:
             reader.reads.close()

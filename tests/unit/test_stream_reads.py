@@ -316,7 +316,7 @@ def test_cutting_an_engine_fails_its_loads_in_flight_at_once(whose):
         assert _wait(lambda: silent.silent_at, 10), "the server went silent"
         other = Engine(("q", "127.0.0.1", 2, 0), reader.engine.layout, reader.engine.peers, reader.engine.plan)
         cut_at = time.monotonic()
-        reader.reads.cut(reader.engine if whose == "its engine" else other, "its host is unreachable")
+        reader.reads.cut((reader.engine if whose == "its engine" else other).key, "its host is unreachable")
         if whose == "another engine":
             assert not reader.event.wait(1.0), "a load of another engine was cut"
             silent.gate.set()

@@ -162,6 +162,7 @@ class DecodeWorker:
             if key and mem_type == "DRAM"
             else None
         )
+        self._dead_news: dict[tuple, str] = {}  # engines found gone or unreachable here, not yet told
         self._ready: queue.Queue[Load | None] = queue.Queue()  # claimed: to post or launch
         self._claims = ClaimQueue(self._pool, self._lock, config, self._claim_step)  # claim steps, per engine
         self._threads: list[threading.Thread] = []
@@ -352,12 +353,25 @@ class DecodeWorker:
         )
 
     def _dead(self, engine: Engine, why: str) -> None:
-        """`engine`'s process is gone or its host unreachable: later loads naming it fail at once
-        (`PeerBook.mark_dead`), and so do its loads in flight on the KV channel, rather than each waiting out its
-        stall bound. (A side channel that is merely silent leaves reads that still receive bytes going.)"""
-        self.peers.mark_dead(engine, why)
+        """`engine`'s process is gone or its host unreachable: loads naming it fail at once, those in flight on the
+        KV channel too (not at their stall bound), and the other workers learn it (`take_dead_news`)."""
+        self.engine_down(engine.key, why, engine)
+        with self._lock:
+            self._dead_news[engine.key] = why
+
+    def take_dead_news(self) -> dict[tuple, str]:
+        with self._lock:
+            news, self._dead_news = self._dead_news, {}
+        return news
+
+    def engine_down(self, key: tuple, why: str, engine: Engine | None = None) -> None:
+        """The engine `key` names is gone or unreachable (found here, or by another worker of this instance)."""
+        if engine is not None:
+            self.peers.mark_dead(engine, why)
+        else:
+            self.peers.mark_dead_key(key, why)
         if self.stream is not None:
-            self.stream.cut(engine, why)
+            self.stream.cut(key, why)
 
     def _launch_in_claim(self, load: Load) -> None:
         """Launch a CUDA IPC load's kernels while its claim is on the wire (once, whatever the claim's rounds): a

@@ -265,8 +265,17 @@ class PeerBook:
         """`engine`'s peer is gone (its port refused, or it was silent past the answer deadline): drop it, and fail
         loads naming it at once for `dead_engine_s`; the first load after that connects again (the probe)."""
         self.drop(engine, why)
+        self.mark_dead_key(engine.key, why)
+
+    def mark_dead_key(self, key: EngineKey, why: str) -> None:
+        """As `mark_dead`, for the engine `key` names (another worker of this instance found it dead): its cached
+        engine, if any, is dropped too."""
         with self._lock:
-            self._dead[engine.key] = (time.monotonic() + self.dead_s, why)
+            engine = self._engines.get(key)
+        if engine is not None:
+            self.drop(engine, why)
+        with self._lock:
+            self._dead[key] = (time.monotonic() + self.dead_s, why)
             while len(self._dead) > 4 * self.max_engines:
                 self._dead.pop(next(iter(self._dead)))
 

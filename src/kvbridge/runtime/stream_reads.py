@@ -183,15 +183,16 @@ class StreamReads:
                     self.failed(load, tracker.error)
                 return
 
-    def cut(self, engine: Engine, why: str) -> None:
-        """Fail every load in flight from `engine` (its host is unreachable, or it is known dead): their
-        connections are shut at once, and each load is reported failed once none of its threads can still scatter."""
+    def cut(self, key: tuple, why: str) -> None:
+        """Fail every load in flight from the engine `key` names (its host is unreachable, or it is known dead):
+        their connections are shut at once, and each load is reported failed once none of its threads can still
+        scatter."""
         with self._lock:
-            trackers = [t for t in self._running if t.load.engine.key == engine.key]
+            trackers = [t for t in self._running if t.load.engine.key == key]
         for tracker in trackers:
             with tracker.lock:
                 if not tracker.error and tracker.left > 0:
-                    tracker.error = f"kv stream: prefill engine {engine.key[0]} is down: {why}"
+                    tracker.error = f"kv stream: prefill engine {key[0]} is down: {why}"
                     for sock in tracker.socks:
                         shut(sock)
 

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbridge.core.config import BridgeConfig
-from kvbridge.vllm.metadata import KVBridgeMetadata
+from kvbridge.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMetadata
 from kvbridge.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.vllm.vllm_facts import check_state_layout
 
@@ -84,6 +84,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' own news (`KVBridgeWorkerMetadata`): prefill engines one of them found gone or unreachable
+        go to every worker with the next step's metadata."""
+        news = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(news, KVBridgeWorkerMetadata) and news.dead and self._scheduler is not None:
+            self._scheduler.tell_workers_dead(news.dead)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
@@ -107,6 +114,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """No (asked by vLLM 0.33, which then refuses to start with sleep mode on): sleep frees and remaps the KV
         memory that kvbridge's workers registered with NIXL and whose addresses their peers hold."""
         return False
+
+    def build_connector_worker_meta(self) -> KVBridgeWorkerMetadata | None:
+        dead = self._worker.take_dead_news() if self._worker is not None else {}
+        return KVBridgeWorkerMetadata(dead) if dead else None
 
     def get_finished_count(self) -> int | None:
         return None  # every worker of every stage reports each id once

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvbridge.runtime.decode_worker import LoadJob
 
@@ -21,6 +21,25 @@ class KVBridgeMetadata(KVConnectorMetadata):
     """Prefill side: finished requests (id, block ids, token, prompt hash, when it finished: time.monotonic) whose
     blocks stay held for readers."""
 
+    dead: dict[tuple, str] = field(default_factory=dict)
+    """Decode side: prefill engines (key -> why) a worker of this instance found gone or unreachable: every worker
+    fails its loads in flight from them at once and knows them dead (`DecodeWorker.engine_down`)."""
+
     idle: bool = False
     """No tokens scheduled this step. vLLM steps continuously while loads are pending: on an idle step a decode
     worker waits briefly for a load to finish instead of answering at once (`idle_wait_s`)."""
+
+
+@dataclass
+class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler-side connector each step (vLLM aggregates every worker's)."""
+
+    dead: dict[tuple, str] = field(default_factory=dict)
+    """Prefill engines (key -> why) this worker found gone or unreachable: the scheduler passes them to every
+    worker in the next step's metadata, so that a worker whose reads from one are still waiting for their stall
+    bound ends them at once."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVBridgeWorkerMetadata):
+            return KVBridgeWorkerMetadata({**self.dead, **other.dead})
+        return self

@@ -301,6 +301,10 @@ class SchedulerSide:
         meta, self._meta = self._meta, KVBridgeMetadata()
         return meta
 
+    def tell_workers_dead(self, dead: dict[tuple, str]) -> None:
+        """Prefill engines a worker found gone or unreachable: in the next step's metadata, for every worker."""
+        self._meta.dead.update(dead)
+
     def take_stats(self) -> KVBridgeStats | None:
         if self._stats.is_empty():
             return None

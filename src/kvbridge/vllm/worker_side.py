@@ -170,6 +170,8 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVBridgeMetadata) -> None:
         if self.decode is not None:
+            for key, why in meta.dead.items():  # before the new loads: those naming it fail at once
+                self.decode.engine_down(key, why)
             for job in (*meta.loads, *meta.releases):
                 self.decode.load(job)
         if self.prefill is not None:
@@ -200,6 +202,10 @@ class WorkerSide:
             recving = done | failed
             self.stats.record(stats)
         return sending, recving, failed
+
+    def take_dead_news(self) -> dict[tuple, str]:
+        """Prefill engines this worker found gone or unreachable since the last step (for the scheduler)."""
+        return self.decode.take_dead_news() if self.decode is not None else {}
 
     def take_stats(self) -> KVBridgeStats | None:
         if self.stats.is_empty():
