@@ -6,6 +6,7 @@ A `PeerWatch` reads the monitor events of one client socket:
 
     connect refused (CLOSED or CONNECT_RETRIED, no CONNECTED since `clear`)  -> "refused": nobody listens there
     connect failed after the socket's CONNECT_TIMEOUT (at least half of it)   -> "unreachable": the host or link
+                                                       (timed from when its events are read: best effort)
     DISCONNECTED                                                             -> "reset": the connection was cut
 
 A refusal is final (the caller fails at once), and so is an unreachable host: with `link_timeout_s` the client's
