@@ -115,3 +115,11 @@ class SilentAfter:
     def close(self) -> None:
         self.gate.set()
         self.server.close()
+
+    def resume_leaves(self, reader: Reader) -> bool:
+        """Let the server send again (into the reader's shut connections, its load reported failed) and say
+        whether the reader's blocks stayed as they were."""
+        before = reader.dst.buf.copy()
+        self.gate.set()
+        time.sleep(0.5)
+        return bool(np.array_equal(reader.dst.buf, before))

@@ -93,6 +93,14 @@ class _Tracker:
     socks: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def stop(self, error: str) -> None:
+        """Under `lock`: the load fails with `error` unless it failed already, and its connections are shut at once
+        (a thread blocked on one returns)."""
+        if not self.error:
+            self.error = error
+            for sock in self.socks:
+                shut(sock)
+
 
 class StreamReads:
     def __init__(
@@ -171,10 +179,7 @@ class StreamReads:
                 self._pool.submit(self._run, tracker, part, first, step)
             except RuntimeError as exc:  # closed meanwhile: the jobs not submitted end here
                 with tracker.lock:
-                    if not tracker.error:
-                        tracker.error = f"kv stream reads: {exc}"
-                        for sock in tracker.socks:
-                            shut(sock)
+                    tracker.stop(f"kv stream reads: {exc}")
                     tracker.left -= len(jobs) - k
                     last = tracker.left == 0
                 if last:
@@ -191,10 +196,8 @@ class StreamReads:
             trackers = [t for t in self._running if t.load.engine.key == key]
         for tracker in trackers:
             with tracker.lock:
-                if not tracker.error and tracker.left > 0:
-                    tracker.error = f"kv stream: prefill engine {key[0]} is down: {why}"
-                    for sock in tracker.socks:
-                        shut(sock)
+                if tracker.left > 0:
+                    tracker.stop(f"kv stream: prefill engine {key[0]} is down: {why}")
 
     def _parts(self, load: Load, engine: Engine) -> list[_Part]:
         job, source = load.job, load.job.source
@@ -276,10 +279,8 @@ class StreamReads:
                 except Exception:  # the load must still be counted down and reported
                     logger.exception("kvbridge decode %s: reporting an unreachable prefill failed", self.identity)
         with tracker.lock:
-            if error and not tracker.error:
-                tracker.error = error
-                for sock in tracker.socks:  # the load's other connections stop at once
-                    shut(sock)
+            if error:
+                tracker.stop(error)  # the load's other connections stop at once
             tracker.left -= 1
             last = tracker.left == 0
             failure = tracker.error

@@ -277,13 +277,10 @@ def connect(address: tuple[str, int], timeout_s: float, stopped: Callable[[], bo
     made. Each connect waits at most `timeout_s`, and one that timed out is made again up to `tries` connects in
     all; TimeoutError when the last timed out. TransferError as soon as `stopped()` (checked every CONNECT_POLL_S):
     a connect to a host that went silent holds no thread past its load's failure."""
-    for attempt in range(tries):
-        try:
+    for _ in range(tries - 1):
+        with contextlib.suppress(TimeoutError):
             return _connect_once(address, timeout_s, stopped)
-        except TimeoutError:
-            if attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
+    return _connect_once(address, timeout_s, stopped)
 
 
 def _connect_once(address: tuple[str, int], timeout_s: float, stopped: Callable[[], bool]) -> socket.socket:
