@@ -60,8 +60,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            for ids in ([5], [], [6, 7]):
-                self.wfile.write(b"data: " + json.dumps({"choices": [{"token_ids": ids}]}).encode() + b"\n\n")
+            events = [{"choices": [{"token_ids": ids}]} for ids in ([5], [], [6, 7])]
+            if body.get("fail_midway"):  # as vLLM ends a stream whose generation failed
+                events[1:] = [{"error": {"message": "KV load failed", "type": "InternalServerError", "code": 500}}]
+            for event in events:
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")
         else:
@@ -103,6 +106,12 @@ def test_an_error_status_raises_with_the_status_and_body(server):
     with pytest.raises(RequestFailed) as streamed:
         complete_streaming(server, [1], 0)
     assert streamed.value.status == 400
+
+
+def test_an_error_event_in_a_stream_raises_not_a_short_output(server):
+    with pytest.raises(RequestFailed) as failed:
+        complete_streaming(server, [1, 2], 3, fail_midway=True)
+    assert failed.value.status == 500 and "KV load failed" in failed.value.body
 
 
 def test_metrics_and_health(server):

@@ -114,7 +114,8 @@ def complete_streaming(
     **fields: Any,
 ) -> tuple[list[int], float]:
     """Greedy streaming `/v1/completions`; returns (generated token ids, seconds to the first token). `fields`
-    are added to the request body (e.g. `cache_salt="..."`)."""
+    are added to the request body (e.g. `cache_salt="..."`). An error status, or an error event in the stream
+    (how vLLM ends a stream whose generation failed), raises RequestFailed."""
     body = _completion_body(prompt_token_ids, max_tokens, kv_transfer_params, stream=True, **fields)
     target = url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
@@ -127,12 +128,21 @@ def complete_streaming(
             line = line.strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            for choice in json.loads(line[5:]).get("choices", ()):
+            event = json.loads(line[5:])
+            if "error" in event:  # vLLM's error after the 200 (a generation error, e.g. a KV load that failed)
+                raise RequestFailed(target, _error_code(event["error"]), json.dumps(event["error"]))
+            for choice in event.get("choices", ()):
                 ids = choice.get("token_ids") or []
                 if ids and first is None:
                     first = time.monotonic() - start
                 tokens.extend(ids)
     return tokens, first if first is not None else time.monotonic() - start
+
+
+def _error_code(error: Any) -> int:
+    """The HTTP status an error event of a stream names (vLLM's `{"error": {"code": 500, ...}}`), else 500."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) else 500
 
 
 def _escape(value: str) -> str:
