@@ -7,6 +7,8 @@ namespace, first gets an answer over a kept socket, then the host's link goes do
   TCP_MAXRT aborts the connection whose bytes go unacknowledged, then the fresh connect is not answered; on a
   fresh socket, two connects are not answered. The control, link_timeout_s 0, waits out its two answer deadlines
   and fails with a plain TransferTimeout;
+- a port nobody listens on, on a host that is up, is still a gone process (PeerGone at once), not an unreachable
+  host: the connect failed long before link_timeout_s;
 - a stopped server process (SIGSTOP) on a host that is up is not taken for an unreachable host: its kernel accepts
   and acknowledges, so only the answer deadline ends the wait (TransferTimeout, not HostUnreachable);
 - on the KV channel (`runtime.stream_reads`), a load from a host cut off fails after two connects of link_timeout_s
@@ -26,7 +28,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvbridge.core.errors import HostUnreachable, TransferTimeout
+from kvbridge.core.errors import HostUnreachable, PeerGone, TransferTimeout
 from kvbridge.core.topology import WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire import side_channel_client as scc
@@ -105,6 +107,22 @@ def test_a_host_whose_link_went_down_is_known_within_twice_link_timeout_s(link_t
         else:  # the control: the answer deadlines alone
             assert type(kept) is TransferTimeout and "2 attempts of 1 s" in str(kept), kept
             assert kept_s >= 1.9, kept_s
+
+
+def test_a_refused_connect_stays_a_refusal_with_a_link_timeout():
+    with network_hosts("prefill") as hosts:
+        host = hosts["prefill"]
+        client = scc.SideChannelClient(timeout_s=2.0, retries=1, link_timeout_s=0.5)
+        try:
+            [kept], kept_s = timed(lambda: client.exchange_all([(host.ip, PORT)], wire.Ack()))
+        finally:
+            client.close()
+        fresh, fresh_s = timed(
+            lambda: scc.exchange(host.ip, PORT, wire.Ack(), timeout_s=2.0, retries=1, link_timeout_s=0.5)
+        )
+    for error, took in ((kept, kept_s), (fresh, fresh_s)):
+        assert type(error) is PeerGone, error
+        assert took < 0.2, took
 
 
 def test_a_stopped_server_on_a_host_that_is_up_is_not_taken_for_an_unreachable_one():

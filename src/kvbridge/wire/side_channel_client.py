@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from kvbridge.core.config import is_loopback
 from kvbridge.core.errors import (
     HostUnreachable,
     IncompatiblePeerError,
@@ -395,7 +396,9 @@ def _dealer(
 ) -> tuple[zmq.Socket, PeerWatch]:
     """A DEALER socket connected to `address` (an `endpoint`), and its watch: no linger, sends time out after
     `timeout_ms`, answers over `max_answer_bytes` cut, connects and unacknowledged bytes bounded by
-    `link_timeout_s` (0: the kernel's defaults). The watch is made before the connect: a connection made
+    `link_timeout_s` (0: the kernel's defaults; none to a loopback address, which this host's own kernel answers,
+    so that a connect late only because this process was starved is never taken for a host down). The watch is
+    made before the connect: a connection made
     first would show no events (its monitor misses them). Closed again if the connect fails (zmq.ZMQError)."""
     sock = zmq_context().socket(zmq.DEALER)
     watch = None
@@ -405,6 +408,8 @@ def _dealer(
         sock.setsockopt(zmq.MAXMSGSIZE, max_answer_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kept socket whose peer went learns it is gone sooner
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)  # an idle one to a dead peer backs off
+        if link_timeout_s > 0 and _loopback(address):
+            link_timeout_s = 0.0  # this host's own kernel answers: a late connect is a starved thread, no link down
         if link_timeout_s > 0:
             link_ms = max(1, round(link_timeout_s * 1000))
             sock.setsockopt(zmq.CONNECT_TIMEOUT, link_ms)
@@ -419,6 +424,12 @@ def _dealer(
         sock.close(linger=0)
         raise
     return sock, watch
+
+
+def _loopback(address: str) -> bool:
+    """Whether an `endpoint` is on the loopback interface."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+    return is_loopback(host)
 
 
 GONE_CHECK_S = 0.02
