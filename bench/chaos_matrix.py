@@ -216,6 +216,38 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def tree_cpu_s(server: VllmServer) -> float:
+    """CPU seconds (user + system) used so far by the server's process and its children (0: not running)."""
+    import psutil
+
+    if server.process is None:
+        return 0.0
+    total = 0.0
+    try:
+        root = psutil.Process(server.process.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+class CpuWindow:
+    """The CPU seconds each of the pair's servers used from the fault to the last request's end: on 2 shared cores
+    a side busy after the fault slows the decode's recompute."""
+
+    def __init__(self, prefill: VllmServer, decode: VllmServer) -> None:
+        self.servers = {"prefill": prefill, "decode": decode}
+        self.start = {side: tree_cpu_s(server) for side, server in self.servers.items()}
+
+    def row(self, seconds: float) -> dict[str, float]:
+        used = {side: tree_cpu_s(server) - self.start[side] for side, server in self.servers.items()}
+        return {"window_s": round(seconds, 3), **{f"{side}_cpu_s": round(x, 3) for side, x in used.items()}}
+
+
 def outcome(
     pair: str, cell: str, terminal: list[float], ends: list, wrong: int, errors_expected: bool, load_failed, reasons
 ) -> dict[str, Any]:
@@ -262,6 +294,7 @@ def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: 
             legs = [pool.submit(decode_leg, decode, p, q) for p, q in zip(prompts, params, strict=True)]
             time.sleep(0.005)  # the requests are in: their claims and READs start now
             fault, fault_wall = time.monotonic(), time.time()
+            cpu = CpuWindow(prefill, decode)
             if cell == "sigstop_prefill":
                 signal_group(prefill, signal.SIGSTOP)
             elif cell == "kill_prefill":
@@ -271,10 +304,13 @@ def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: 
                 errors_expected = True
         ends = [leg.result() for leg in legs]
     terminal = [max(0.0, end - fault) for _, end, _ in ends]
+    cpu_row = cpu.row(max(terminal)) if cell == "sigstop_prefill" else None
     load_failed, reasons = failed_loads(decode, offset, fault_wall)
     # a killed decode's answers (those that came before the kill) are compared once it serves again
     wrong = 0 if cell == "kill_decode" else wrong_answers(decode, prompts, ends)
     result = outcome(pair, cell, terminal, ends, wrong, errors_expected, load_failed, reasons)
+    if cpu_row is not None:
+        result["cpu_after_fault"] = cpu_row
     if cell == "restart_prefill":
         result["restart_s"] = round(restart_s, 1)
     # recover the pair, then check blocks and health
@@ -334,9 +370,12 @@ def link_down(model: Path, root: Path, pair: str, rng: random.Random) -> dict[st
             offset = log_size(decode)
             cut: dict[str, float] = {}
 
+            cpu: list[CpuWindow] = []
+
             def down() -> None:
                 cut.update(at=time.monotonic(), wall=time.time())
                 subprocess.run(["ip", "link", "set", ph.link, "down"], check=True)
+                cpu.append(CpuWindow(prefill, decode))
 
             try:
                 with ThreadPoolExecutor(AFFECTED) as pool:
@@ -347,9 +386,11 @@ def link_down(model: Path, root: Path, pair: str, rng: random.Random) -> dict[st
             finally:
                 subprocess.run(["ip", "link", "set", ph.link, "up"], capture_output=True)
             terminal = [max(0.0, end - cut["at"]) for _, end, _ in ends]
+            cpu_row = cpu[0].row(max(terminal))
             load_failed, reasons = failed_loads(decode, offset, cut["wall"])
             wrong = wrong_answers(decode, prompts, ends)
             result = outcome(pair, "link_down", terminal, ends, wrong, False, load_failed, reasons)
+            result["cpu_after_fault"] = cpu_row
             result["cut_after_bytes"] = in_flight
             left_p = not settle(prefill, base_p, LEASE_S + 40)
             left_d = not settle(decode, base_d, 30)

@@ -104,6 +104,10 @@ def test_a_killed_prefill_fails_each_load_within_a_second_then_at_once(side):
     assert all(not ok and s < GONE_S for ok, s in ended.values()), ended
     later = outcomes(decode, [job(port, "later")])["decode-later"]
     assert not later[0] and later[1] < 0.1, later  # known dead: no connect at all
+    # the instance's other workers are told (vLLM's worker metadata, tests/unit/test_dead_news.py), once
+    news = decode.take_dead_news()
+    assert [key[0] for key in news] == [ENGINE] and all("gone" in why for why in news.values()), news
+    assert decode.take_dead_news() == {}
 
 
 @pytest.mark.parametrize("say_pid", [True, False])
@@ -150,7 +154,8 @@ def test_a_prefill_restarted_with_its_engine_id_is_read_again_at_once(side):
 
 @pytest.mark.parametrize("dead_s", [10.0, 0.0])
 def test_a_stopped_prefill_fails_each_load_within_three_seconds_then_at_once(side, dead_s):
-    """Negative control (dead_s 0): without the dead-engine cache the next load waits the deadline again."""
+    """Negative control (dead_s 0): without the dead-engine cache the next load waits the deadline again. A
+    silent prefill is no news for the instance's other workers (the killed one above is)."""
     make_decode, make_prefill, port = side
     decode, _ = make_decode(dead_engine_s=dead_s)
     prefill = make_prefill(seed=1)
@@ -161,6 +166,8 @@ def test_a_stopped_prefill_fails_each_load_within_three_seconds_then_at_once(sid
     ended = outcomes(decode, [job(port, f"r{i}") for i in range(3)])
     print("stopped prefill:", {k: f"{v[1] * 1000:.0f} ms" for k, v in ended.items()})
     assert all(not ok and 1.5 < s < SILENT_S for ok, s in ended.values()), ended
+    # silent, not known gone: kept from this worker's next loads for dead_engine_s, no news to the others
+    assert decode.take_dead_news() == {}
     later = outcomes(decode, [job(port, "later")])["decode-later"]
     assert not later[0]
     if dead_s:

@@ -398,8 +398,8 @@ def _dealer(
     `timeout_ms`, answers over `max_answer_bytes` cut, connects and unacknowledged bytes bounded by
     `link_timeout_s` (0: the kernel's defaults; none to a loopback address, which this host's own kernel answers,
     so that a connect late only because this process was starved is never taken for a host down). The watch is
-    made before the connect: a connection made
-    first would show no events (its monitor misses them). Closed again if the connect fails (zmq.ZMQError)."""
+    made before the connect: a connection made first would show no events (its monitor misses them). Closed
+    again if the connect fails (zmq.ZMQError)."""
     sock = zmq_context().socket(zmq.DEALER)
     watch = None
     try:
