@@ -62,6 +62,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -218,8 +220,6 @@ def percentile(values: list[float], q: float) -> float:
 
 def tree_cpu_s(server: VllmServer) -> float:
     """CPU seconds (user + system) used so far by the server's process and its children (0: not running)."""
-    import psutil
-
     if server.process is None:
         return 0.0
     total = 0.0
@@ -294,9 +294,10 @@ def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: 
             legs = [pool.submit(decode_leg, decode, p, q) for p, q in zip(prompts, params, strict=True)]
             time.sleep(0.005)  # the requests are in: their claims and READs start now
             fault, fault_wall = time.monotonic(), time.time()
-            cpu = CpuWindow(prefill, decode)
+            cpu = None
             if cell == "sigstop_prefill":
                 signal_group(prefill, signal.SIGSTOP)
+                cpu = CpuWindow(prefill, decode)  # after the fault: it takes a few ms
             elif cell == "kill_prefill":
                 prefill.kill()
             elif cell == "kill_decode":
@@ -304,7 +305,7 @@ def run_cell(servers: Servers, pair: str, cell: str, rng: random.Random, storm: 
                 errors_expected = True
         ends = [leg.result() for leg in legs]
     terminal = [max(0.0, end - fault) for _, end, _ in ends]
-    cpu_row = cpu.row(max(terminal)) if cell == "sigstop_prefill" else None
+    cpu_row = cpu.row(max(terminal)) if cell == "sigstop_prefill" and cpu is not None else None
     load_failed, reasons = failed_loads(decode, offset, fault_wall)
     # a killed decode's answers (those that came before the kill) are compared once it serves again
     wrong = 0 if cell == "kill_decode" else wrong_answers(decode, prompts, ends)
@@ -375,7 +376,7 @@ def link_down(model: Path, root: Path, pair: str, rng: random.Random) -> dict[st
             def down() -> None:
                 cut.update(at=time.monotonic(), wall=time.time())
                 subprocess.run(["ip", "link", "set", ph.link, "down"], check=True)
-                cpu.append(CpuWindow(prefill, decode))
+                cpu.append(CpuWindow(prefill, decode))  # after the cut: it takes a few ms
 
             try:
                 with ThreadPoolExecutor(AFFECTED) as pool:

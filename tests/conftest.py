@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ class _ServerTimes(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(f"{record.getMessage()}  [{os.environ.get('PYTEST_CURRENT_TEST', '-')}]")
-        if isinstance(record.args, tuple) and record.args:
+        if isinstance(record.args, tuple) and record.args and isinstance(record.msg, str):
             name = str(record.args[0])
             if " ready after " in record.msg and len(record.args) == 3 and record.args[2] is not None:
                 self.live[name] = Path(record.args[2])
@@ -60,25 +61,37 @@ class _ServerTimes(logging.Handler):
                 self.live.pop(name, None)
 
 
-def _worth_reading(line: str) -> bool:
-    """A server log line that can say why a test failed: kvbridge's warnings and errors, vLLM's errors."""
-    if "[kvbridge]" in line:
-        return not line.startswith("INFO")
-    return " ERROR " in line or line.startswith(("Traceback", "ERROR"))
-
-
-def _server_news(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as error:
-        return f"(unreadable: {error})"
-    kept = [line for line in text.splitlines() if _worth_reading(line)]
-    return "\n".join(kept[-lines:]) or "(no kvbridge warning, no error)"
-
-
 SERVER_TIMES = _ServerTimes()
 launcher.log.addHandler(SERVER_TIMES)
 launcher.log.setLevel(logging.INFO)
+
+_RECORD = re.compile(r"^(\(\w+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b|^\[[A-Z]\d{4}")
+
+
+def _server_news(path: Path, lines: int = 30, tail_bytes: int = 2 << 20, width: int = 500) -> str:
+    """The last `lines` kvbridge warnings and errors and the last `lines` vLLM errors of a server's log (its last
+    `tail_bytes`), each record with its traceback lines, each line cut at `width` characters."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - tail_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError as error:
+        return f"(unreadable: {error})"
+    ours: list[str] = []
+    theirs: list[str] = []
+    keep: list[str] | None = None  # where the record being read goes (None: not kept)
+    for line in text.splitlines():
+        if line.startswith("Traceback") and keep is None:  # a bare one, not after a kept record: vLLM's
+            keep = theirs
+        elif _RECORD.match(line):
+            if "[kvbridge]" in line:
+                keep = None if line.startswith("INFO") else ours
+            else:
+                keep = theirs if " ERROR " in line or line.startswith("ERROR") else None
+        if keep is not None:
+            keep.append(line[:width])
+    parts = [("kvbridge warnings and errors", ours), ("vLLM errors", theirs)]
+    return "\n".join(f"--- {title} ---\n" + ("\n".join(kept[-lines:]) or "(none)") for title, kept in parts)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -92,6 +105,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.failed and report.when == "call":
-        for name, path in SERVER_TIMES.live.items():
-            report.sections.append((f"{name}: kvbridge warnings and errors ({path})", _server_news(path)))
+    if report.failed:  # in the test or in a fixture (one that checks the servers after it, say)
+        for name, path in list(SERVER_TIMES.live.items()):
+            report.sections.append((f"{name}: warnings and errors ({path})", _server_news(path)))

@@ -53,7 +53,8 @@ class TransferTimeout(TransferError):
 
 class HostUnreachable(TransferTimeout):
     """The peer's host did not accept a connection, or acknowledge bytes sent to it, within `link_timeout_s`: the
-    host or the link to it is down. Known from TCP, whatever its processes do."""
+    host or the link to it is down. Known from TCP, whatever its processes do (never raised for an address of this
+    host, whose own kernel answers)."""
 
 
 class PeerGone(TransferError):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbridge.core.config import BridgeConfig, is_loopback
+from kvbridge.core.config import BridgeConfig
 from kvbridge.core.descriptors import block_lists
 from kvbridge.core.errors import HostUnreachable, KVBridgeError, RequestParamsError, TransferError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
@@ -48,6 +48,7 @@ from kvbridge.wire import messages as wire
 from kvbridge.wire import stream_messages as sm
 from kvbridge.wire.affinity import unpin_this_thread
 from kvbridge.wire.keys import KeyRing
+from kvbridge.wire.local_address import on_this_host
 
 logger = logging.getLogger(__name__)
 
@@ -411,7 +412,7 @@ class StreamReads:
         if left <= 0:
             raise TransferTimeout("kv stream: the load's deadline passed")
         timeout = min(left, self.config.handshake_timeout_s)
-        link = 0.0 if is_loopback(address[0]) else self.config.link_timeout_s  # no link to go down on loopback
+        link = 0.0 if on_this_host(address[0]) else self.config.link_timeout_s  # this host's kernel: no link to lose
         wait = min(timeout, link) if link > 0 else timeout
         tries = 2 if link > 0 and 2 * link <= timeout else 1  # one lost SYN is no verdict: a second connect
         try:

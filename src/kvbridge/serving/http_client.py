@@ -142,7 +142,7 @@ def complete_streaming(
 def _error_code(error: Any) -> int:
     """The HTTP status an error event of a stream names (vLLM's `{"error": {"code": 500, ...}}`), else 500."""
     code = error.get("code") if isinstance(error, dict) else None
-    return code if isinstance(code, int) else 500
+    return code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 500
 
 
 def _escape(value: str) -> str:

@@ -10,7 +10,7 @@ A `PeerWatch` reads the monitor events of one client socket:
     DISCONNECTED                                                             -> "reset": the connection was cut
 
 A refusal is final (the caller fails at once), and so is an unreachable host: with `link_timeout_s` the client's
-sockets carry ZMQ's CONNECT_TIMEOUT (a connect the host's kernel does not answer fails) and TCP_MAXRT (a
+sockets to another host carry ZMQ's CONNECT_TIMEOUT (a connect the host's kernel does not answer fails) and TCP_MAXRT (a
 connection whose bytes the host does not acknowledge is aborted: a reset, then the fresh connect fails). A reset
 is also what a live server does to a connection it cuts (a flood bound, an oversized frame), so the caller retries
 once on a fresh socket, and that connect is refused at once if the process is gone. A stopped peer shows none of

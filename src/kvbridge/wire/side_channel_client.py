@@ -18,7 +18,6 @@ from typing import Any
 
 import zmq
 
-from kvbridge.core.config import is_loopback
 from kvbridge.core.errors import (
     HostUnreachable,
     IncompatiblePeerError,
@@ -31,6 +30,7 @@ from kvbridge.core.errors import (
 from kvbridge.wire import messages as wire
 from kvbridge.wire.affinity import zmq_context
 from kvbridge.wire.auth import ClockSkew, Sealer, destination
+from kvbridge.wire.local_address import on_this_host
 from kvbridge.wire.peer_watch import REFUSED, RESET, UNREACHABLE, PeerWatch
 from kvbridge.wire.side_channel import MAX_ANSWER_BYTES, NO_IDENTITY, Identity, endpoint
 
@@ -56,12 +56,12 @@ def exchange(
     answered, ProtocolError for an answer that is not a message (IncompatiblePeerError if it carries another
     protocol version), PeerGone at once when the port refuses the connection (nobody listens: the process is
     gone), or resets it and a fresh attempt is refused. Messages may be delivered more than once: handlers must be
-    idempotent. With `sealer`
-    each attempt is sealed afresh for the worker `identity` names, and an answer that is not the authentic answer
-    to it is not taken. An answer over `max_answer_bytes` is cut by ZMQ (a reset: retried, then it times out).
-    `link_timeout_s` (0: the kernel's defaults): a connect not answered for this long ends its attempt, and
-    HostUnreachable is raised when the last attempt ended so (one lost SYN is not a verdict: the kernel sends it
-    again only after 1 s); a connection whose bytes go unacknowledged for this long is aborted (a reset).
+    idempotent. With `sealer` each attempt is sealed afresh for the worker `identity` names, and an answer that is
+    not the authentic answer to it is not taken. An answer over `max_answer_bytes` is cut by ZMQ (a reset: retried,
+    then it times out). `link_timeout_s` (0: the kernel's defaults; not applied to an address of this host): a
+    connect not answered for this long ends its attempt, and HostUnreachable is raised when the last attempt ended
+    so (one lost SYN is not a verdict: the kernel sends it again only after 1 s); a connection whose bytes go
+    unacknowledged for this long is aborted (a reset).
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -163,7 +163,8 @@ class SideChannelClient:
         max_answer_bytes: int = MAX_ANSWER_BYTES,
         link_timeout_s: float = 0.0,
     ) -> None:
-        """`link_timeout_s`: as `exchange`'s (an unreachable host's message fails with HostUnreachable)."""
+        """`link_timeout_s`: as `exchange`'s (an unreachable host's message fails with HostUnreachable; none to an
+        address of this host)."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.timeout_s = timeout_s
@@ -396,8 +397,8 @@ def _dealer(
 ) -> tuple[zmq.Socket, PeerWatch]:
     """A DEALER socket connected to `address` (an `endpoint`), and its watch: no linger, sends time out after
     `timeout_ms`, answers over `max_answer_bytes` cut, connects and unacknowledged bytes bounded by
-    `link_timeout_s` (0: the kernel's defaults; none to a loopback address, which this host's own kernel answers,
-    so that a connect late only because this process was starved is never taken for a host down). The watch is
+    `link_timeout_s` (0: the kernel's defaults; none to an address of this host, `local_address.on_this_host`,
+    whose own kernel answers: a connect late there only because this process was starved is no host down). The watch is
     made before the connect: a connection made first would show no events (its monitor misses them). Closed
     again if the connect fails (zmq.ZMQError)."""
     sock = zmq_context().socket(zmq.DEALER)
@@ -408,7 +409,7 @@ def _dealer(
         sock.setsockopt(zmq.MAXMSGSIZE, max_answer_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # a kept socket whose peer went learns it is gone sooner
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)  # an idle one to a dead peer backs off
-        if link_timeout_s > 0 and _loopback(address):
+        if link_timeout_s > 0 and on_this_host(address.removeprefix("tcp://").rsplit(":", 1)[0]):
             link_timeout_s = 0.0  # this host's own kernel answers: a late connect is a starved thread, no link down
         if link_timeout_s > 0:
             link_ms = max(1, round(link_timeout_s * 1000))
@@ -424,12 +425,6 @@ def _dealer(
         sock.close(linger=0)
         raise
     return sock, watch
-
-
-def _loopback(address: str) -> bool:
-    """Whether an `endpoint` is on the loopback interface."""
-    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
-    return is_loopback(host)
 
 
 GONE_CHECK_S = 0.02
