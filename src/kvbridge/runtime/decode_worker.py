@@ -232,6 +232,10 @@ class DecodeWorker:
                 stats.phases.setdefault(name, []).append(seconds)
         return done, failed, stats
 
+    def loads_outstanding(self) -> bool:
+        """Whether loads were queued and not reported yet (read without the lock: a hint for an idle step)."""
+        return self._outstanding > 0
+
     def reads_through_ipc(self, source: PrefillDone) -> bool:
         """Whether this worker reads `source`'s engine through CUDA IPC (after it connected to it)."""
         return any(e.kernels and e.key[0] == source.remote_engine_id for e in self.peers.all_engines())

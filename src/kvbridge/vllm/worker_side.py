@@ -189,16 +189,19 @@ class WorkerSide:
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
+        idle_s = self.config.idle_wait_s if wait else 0.0
+        # One side waits (kv_both has both): the decode side while it has loads outstanding, else the prefill side
+        # (which returns at once unless it holds requests). The other side's news waits for the next step.
+        decode_waits = idle_s > 0 and self.decode is not None and self.decode.loads_outstanding()
         if self.prefill is not None:
-            # kv_both: the decode side's wait (below) covers the step
-            sending, expired = self.prefill.finished(self.config.idle_wait_s if wait and self.decode is None else 0.0)
+            sending, expired = self.prefill.finished(0.0 if decode_waits else idle_s)
             self.stats.record_expired(expired)
             counts = self.prefill.lease_counts()
             self.stats.record_leases(counts["aborted"] - self._aborted, counts["refused"] - self._refused)
             self.stats.record_holds(self.prefill.take_phases())
             self._aborted, self._refused = counts["aborted"], counts["refused"]
         if self.decode is not None:
-            done, failed, stats = self.decode.results(self.config.idle_wait_s if wait else 0.0)
+            done, failed, stats = self.decode.results(idle_s if decode_waits else 0.0)
             recving = done | failed
             self.stats.record(stats)
         return sending, recving, failed
