@@ -1,6 +1,6 @@
-"""The MLA model's end-to-end pairs (tiny DeepSeek-V2 through kvbridge), shared by the pairs' own checks
-(tests/e2e/test_e2e_mla.py) and the comparison with vLLM's NixlConnector (test_e2e_mla_reference.py): the model,
-the four `kv_both` servers, the pairs and their arithmetic classes, one pair's run and its transfer checks.
+"""The MLA model's end-to-end pairs (tiny DeepSeek-V2 through kvbridge) for tests/e2e/test_e2e_mla.py: the model,
+the four `kv_both` servers, the pairs and their arithmetic classes, one pair's run and its transfer checks, and the
+reference: vLLM's own NixlConnector servers and their output for a prompt.
 
 MLA caches one latent per (layer, token): [kv_c 512 | k_pe 64] in float32, no V, block size 16 (vLLM's CPU MLA
 forces it), the same on every TP rank. The model's greedy output depends on the computation path (docs/models.md),
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbridge.serving.launcher import VllmServer, metrics
+from kvbridge.serving.launcher import RequestFailed, VllmServer, free_base_port, free_port, metrics
 from kvbridge.testing.tiny_models import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_deepseek_v2
 from support.e2e_support import FOUR, SOURCE, UNCHECKED, Leg, delta, disaggregated, layout_servers
 
@@ -121,3 +121,68 @@ def check_transfer(run: PairRun) -> None:
     blocks = sum(-(-len(prompt) // BLOCK) for prompt in run.batch)
     decode_tp = SERVERS[run.decode].tp
     assert run.moved_bytes() == decode_tp * NUM_LAYERS * blocks * BLOCK * LATENT_BYTES
+
+
+# vLLM's NixlConnector gives its UCX backend 4 threads unless told otherwise (`num_threads`), beside NIXL's progress
+# thread, which polls without pause; with the reference's four workers on 2 cores the machine ran at 60-78% system
+# time. Without the extra threads (as kvbridge's own transport runs) a worker made half the system calls, and the same
+# KV moves.
+NIXL_EXTRA = {"num_threads": 0}
+
+# A pair's two NixlConnector servers never share a core: NixlConnector's handshakes time out when they do (a CI run
+# saw pp1->tp2 recompute a prompt with n2 on "0|1" beside n1a on "0"). n1b (core 0) is the decode of the first two
+# pairs and the prefill of the third. {name: (tp, cores)}
+NIXL_SERVERS = {"n1a": (1, "1"), "n1b": (1, "0"), "n2": (2, "1|1")}
+NIXL_PAIRS = {"tp1->tp1": ("n1a", "n1b"), "tp2->tp1": ("n2", "n1b"), "tp1->tp2": ("n1b", "n2")}  # by CLASSES' keys
+
+
+def nixl_server(model: Path, name: str, cores: str, root: Path, tp: int) -> VllmServer:
+    """A `kv_both` server with vLLM's own NixlConnector, for the reference (not started)."""
+    return VllmServer(
+        model,
+        port=free_port(),
+        tp=tp,
+        cpu_bind=cores,
+        block_size=BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+        extra_args=MLA_ARGS,
+        kv_transfer_config={
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": NIXL_EXTRA,
+            # A failed handshake (NixlConnector's waits 5 s for an answer) recomputes the prompt: with "fail" the
+            # request fails and vLLM 0.32's engine shuts down (seen once on 2 loaded cores).
+            "kv_load_failure_policy": "recompute",
+        },
+        env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_base_port(8))},
+        name=f"mla-nixl-{name}",
+        log_path=root / f"nixl-{name}.log",
+    )
+
+
+def nixl_reference(prefill: VllmServer, decode: VllmServer, prompt: list[int], pair: str, attempts: int = 3):
+    """NixlConnector's output for `prompt`, from a run in which it transferred every prompt token.
+
+    On 2 loaded cores NixlConnector sometimes recomputes a prompt instead (CI: tp2->pp1 moved 90 of 127 tokens:
+    its handshake or read timed out), and a recomputed prompt's output is not the reference: that run is retried
+    with a fresh prefill, up to `attempts` times. Its engines step continuously while they hold or await KV, and
+    its API server once took over 10 s to answer /metrics in CI: a long timeout for the reference's metrics."""
+    for _ in range(attempts):
+        tokens = transferred_leg(prefill, decode, prompt)
+        if tokens is not None:
+            return tokens
+        print(f"NixlConnector {pair} recomputed a {len(prompt)}-token prompt; trying again")
+    print(f"NixlConnector {pair}: no reference for a {len(prompt)}-token prompt ({attempts} runs recomputed it)")
+    return None
+
+
+def transferred_leg(prefill: VllmServer, decode: VllmServer, prompt: list[int]) -> list[int] | None:
+    """The decode's output for `prompt` if it loaded every prompt token, else None (also if the request failed)."""
+    before = metrics(decode.url, timeout=90)
+    try:
+        tokens = mla_leg(prefill, decode, prompt).tokens
+    except RequestFailed as exc:
+        print(f"NixlConnector: a request failed ({exc})")
+        return None
+    moved = delta(before, metrics(decode.url, timeout=90), SOURCE, source="external_kv_transfer")
+    return tokens if moved == len(prompt) else None
