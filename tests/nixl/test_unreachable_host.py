@@ -90,7 +90,7 @@ def test_a_host_whose_link_went_down_is_known_within_twice_link_timeout_s(link_t
         try:
             assert client.exchange_all(target, claim("before")) == [wire.ErrorReply(message="before")]
             subprocess.run(["ip", "link", "set", host.link, "down"], check=True)
-            [kept], kept_s = timed(lambda: client.exchange_all(target, claim("kept")))
+            kept, kept_s = timed(lambda: client.exchange_all(target, claim("kept"))[0])
             fresh, fresh_s = timed(
                 lambda: scc.exchange(
                     host.ip, PORT, claim("fresh"), timeout_s=1.0, retries=1, link_timeout_s=link_timeout_s
@@ -114,7 +114,7 @@ def test_a_refused_connect_stays_a_refusal_with_a_link_timeout():
         host = hosts["prefill"]
         client = scc.SideChannelClient(timeout_s=2.0, retries=1, link_timeout_s=0.5)
         try:
-            [kept], kept_s = timed(lambda: client.exchange_all([(host.ip, PORT)], wire.Ack()))
+            kept, kept_s = timed(lambda: client.exchange_all([(host.ip, PORT)], wire.Ack())[0])
         finally:
             client.close()
         fresh, fresh_s = timed(
@@ -133,7 +133,7 @@ def test_a_stopped_server_on_a_host_that_is_up_is_not_taken_for_an_unreachable_o
         try:
             assert client.exchange_all(target, claim("before")) == [wire.ErrorReply(message="before")]
             server.send_signal(signal.SIGSTOP)
-            [kept], kept_s = timed(lambda: client.exchange_all(target, claim("stopped")))
+            kept, kept_s = timed(lambda: client.exchange_all(target, claim("stopped"))[0])
             fresh, fresh_s = timed(
                 lambda: scc.exchange(host.ip, PORT, claim("fresh"), timeout_s=1.0, retries=1, link_timeout_s=0.5)
             )

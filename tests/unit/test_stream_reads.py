@@ -329,3 +329,19 @@ def test_cutting_an_engine_fails_its_loads_in_flight_at_once(whose):
     finally:
         silent.close()
         reader.reads.close()
+
+
+@pytest.mark.parametrize("this_host", [True, False])
+def test_the_link_timeout_is_set_only_on_connections_to_another_host(served, monkeypatch, this_host):
+    """A connection to an address of this host gets no TCP_USER_TIMEOUT (its kernel answers; a late ack means a
+    starved process, not a lost link); the control: the same address taken for another host's gets link_timeout_s."""
+    server, src = served
+    monkeypatch.setattr(stream_reads, "on_this_host", lambda host: this_host)
+    reader = Reader(server.port, src, link_timeout_s=0.5)
+    try:
+        assert reader.load("r", [1, 2], [3, 4]) == ""
+        [(conn, _)] = [pair for idle in reader.reads._idle.values() for pair in idle]
+        user_timeout = conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+        assert user_timeout == (0 if this_host else 500)
+    finally:
+        reader.reads.close()
