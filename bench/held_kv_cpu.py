@@ -66,7 +66,6 @@ def commit_of(src: Path) -> str:
 
 def measure(model: Path, root: Path, name: str, src: Path, args: argparse.Namespace, run: int) -> dict:
     """One server of `src`'s kvbridge: its CPU idle, then holding `args.held` unread requests."""
-    os.environ["PYTHONPATH"] = str(src)  # the server's processes import kvbridge from this tree
     extra = {"side_channel_port": free_base_port(args.tp), "lease_s": args.lease}
     server = VllmServer(
         model,
@@ -77,6 +76,7 @@ def measure(model: Path, root: Path, name: str, src: Path, args: argparse.Namesp
         kv_transfer_config=kvbridge_config("kv_both", **extra),
         name=f"held-{name}-{run}",
         log_path=root / f"{name}-{run}.log",
+        env={"PYTHONPATH": str(src)},  # the server's processes import kvbridge from this tree
     )
     with running([server]):
         complete(server.url, list(range(1, 60)), 2)

@@ -715,10 +715,26 @@ def test_no_link_timeout_to_an_address_of_this_host() -> None:
         assert on_this_host(address) and on_this_host(f"[{address}]"), address
     for host in ("10.77.0.2", "192.0.2.77", "fd12:3456::9", "prefill.example"):  # none here; names unresolved
         assert not on_this_host(host), host
+    assert "127.0.0.1" in _interface_addresses(), "the interfaces were read (lo at least)"
     sock, watch = scc._dealer(f"tcp://{HOST}:9", 1000, link_timeout_s=0.5)
     try:
         assert sock.getsockopt(zmq.CONNECT_TIMEOUT) == 0 and sock.getsockopt(zmq.TCP_MAXRT) == 0
         assert watch.connect_timeout_s == 0
+    finally:
+        watch.close()
+        sock.close(linger=0)
+
+
+@pytest.mark.parametrize("this_host", [True, False])
+def test_the_link_timeout_is_set_only_on_sockets_to_another_host(monkeypatch, this_host) -> None:
+    """The same address taken for this host's gets no CONNECT_TIMEOUT or TCP_MAXRT; taken for another host's (the
+    control) it gets link_timeout_s as both."""
+    monkeypatch.setattr(scc, "on_this_host", lambda host: this_host)
+    sock, watch = scc._dealer(f"tcp://{HOST}:9", 1000, link_timeout_s=0.5)
+    try:
+        want = 0 if this_host else 500
+        assert sock.getsockopt(zmq.CONNECT_TIMEOUT) == want and sock.getsockopt(zmq.TCP_MAXRT) == want
+        assert watch.connect_timeout_s == want / 1000
     finally:
         watch.close()
         sock.close(linger=0)

@@ -175,3 +175,20 @@ def test_negative_control_the_same_load_under_a_fixed_deadline_fails(workers, ca
     assert TIMEOUT_S <= seconds < SLOW_S, seconds
     assert "not done after 0.5 s" in caplog.text
     assert decode.budget.in_flight == 0
+
+
+def test_loads_outstanding_counts_a_load_from_its_queueing_to_its_report(workers):
+    """What a kv_both worker's idle step reads to pick which side waits (tests/unit/test_idle_step_wait.py): true
+    while a load to report is queued or in flight, false again once it is reported; a release job (nothing to
+    report) never counts."""
+    prefill, decode, port, _ = workers
+    assert not decode.loads_outstanding()
+    decode.load(LoadJob("gone", job("gone", port).source, (), (), report=False))
+    assert not decode.loads_outstanding(), "a release reports nothing"
+    prefill.hold("r", ((1, 2),), token="token-r", prompt_hash="h")
+    decode.load(job("r", port))
+    assert decode.loads_outstanding()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and decode.loads_outstanding():
+        decode.results(wait_s=0.01)
+    assert not decode.loads_outstanding(), "reported: no longer outstanding"

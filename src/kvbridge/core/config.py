@@ -62,8 +62,9 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     message to an unreachable host then fails in about twice this instead of `(1 + handshake_retries) *
     handshake_timeout_s`; the engine is known dead for dead_engine_s, and the decode worker cuts its KV channel
     loads in flight from it. Not applied to a prefill at an address of the decode's own host (loopback or one of
-    its interfaces): that host's kernel answers there, and a connect late only because the decode process was
-    starved must not make a live prefill dead.
+    its interfaces, given as an IP literal or `localhost`; other names are not resolved and count as another
+    host): that host's kernel answers there, and a connect late only because the decode process was starved must
+    not make a live prefill dead.
     0: the kernel's defaults (minutes)."""
 
     transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 25.0

@@ -26,8 +26,9 @@ class KVBridgeMetadata(KVConnectorMetadata):
     fails its loads in flight from them at once and knows them dead (`DecodeWorker.engine_down`)."""
 
     idle: bool = False
-    """No tokens scheduled this step. vLLM steps continuously while loads are pending: on an idle step a decode
-    worker waits briefly for a load to finish instead of answering at once (`idle_wait_s`)."""
+    """No tokens scheduled this step. vLLM steps continuously while loads are pending or KV is held: on an idle step
+    a worker waits briefly (`idle_wait_s`) instead of answering at once: its decode side while it has loads
+    outstanding (for one to finish), else its prefill side (for a read of the KV it holds to end)."""
 
 
 @dataclass

@@ -32,7 +32,8 @@ def on_this_host(host: str) -> bool:
 @functools.cache
 def _interface_addresses() -> frozenset[str]:
     """The IP addresses of this host's interfaces in this network namespace (empty without psutil, which vLLM
-    installs)."""
+    installs), read once per process: an address added later is taken for another host's (its link timeout then
+    applies, as it would to a remote prefill)."""
     try:
         import psutil
     except ImportError:
