@@ -34,6 +34,13 @@ from kvbridge.wire.side_channel_client import SideChannelClient
 Step = Callable[[Load, "Future[Engine]"], None]
 """A load's claim step, run on a control thread once its engine is connected (or failed)."""
 
+CLAIM_WAIT_SHARE = 0.5
+"""The share of an attempt's answer deadline (`handshake_timeout_s`) a claim asks the prefill worker to wait for a
+hold that has not come. The rest is the slack for the answer to come back: a prefill worker on a loaded machine
+answers a lapsed wait late (its threads wait for a core), and an answer later than the deadline counts as none,
+so two such in a row would make a live engine dead for `dead_engine_s`. A hold that takes longer costs another
+round trip (the claim is sent again at its not-held answer), not a failed load."""
+
 
 class ClaimQueue:
     """Claim steps on `pool`, at most `config.claims_per_engine` at once per engine, the rest in its backlog.
@@ -106,7 +113,7 @@ def claim_reads(
     while pending:
         # A prefill worker that does not hold the request yet keeps the claim until the hold comes (within
         # `wait_s`, under the client's timeout) and answers then: no retry in the common case.
-        wait_s = max(0.0, min(window - time.monotonic(), 0.8 * config.handshake_timeout_s))
+        wait_s = max(0.0, min(window - time.monotonic(), CLAIM_WAIT_SHARE * config.handshake_timeout_s))
         answers = client.exchange_all(
             [address(source, r) for r in pending],
             msgspec.structs.replace(claim, wait_s=round(wait_s, 3)),
