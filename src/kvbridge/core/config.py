@@ -287,8 +287,9 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     claim_window_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 10.0
     """How long a claim of a request not held yet may wait for its hold (the prefill side learns of a hold one
     engine step after the client got its kv_transfer_params, and a busy prefill engine's step can take seconds):
-    the prefill worker keeps such a claim and answers it when the hold comes (or as not held once this passed); the
-    decode side retries a claim refused at once as not held for as long. Never past the load's deadline. A prefill
+    the prefill worker keeps such a claim for half of one attempt's answer deadline (handshake_timeout_s) and
+    answers it when the hold comes, or as not held once that half passed; the decode side sends a claim answered
+    not held again for as long as this lasts. Never past the load's deadline. A prefill
     whose process is gone or silent ends the wait sooner (handshake_timeout_s), and so does a request freed there
     (a final refusal); a claim the prefill can only answer as not held (a wrong token, params of an earlier run
     without their issue time, a request freed before its last 4096) waits it out, holding one of

@@ -138,7 +138,7 @@ def claim_reads(
             rank, text = refused[0]
             raise RequestParamsError(f"prefill worker {rank} refused the read: {text}")
         pending = [r for r, _ in refused]
-        if pending:  # refused at once (its waiting claims are full, or a peer that does not wait)
+        if pending:  # not held: its wait passed, or refused at once (its waiting claims are full)
             load.claim_retries += 1
             backoff.sleep()
     return None

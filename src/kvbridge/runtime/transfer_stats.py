@@ -26,4 +26,4 @@ class TransferStats:
     post_seconds: list[float] = field(default_factory=list)  # per load: from the job to the READs posted/kernels queued
     gpu_seconds: list[float] = field(default_factory=list)  # per CUDA IPC load: the kernels' time on the GPU
     phases: dict[str, list[float]] = field(default_factory=dict)  # per load that landed: seconds by PHASES name
-    claim_retries: int = 0  # claims refused at once as not held and sent again
+    claim_retries: int = 0  # claims answered as not held (at once, or once their wait passed) and sent again

@@ -126,7 +126,7 @@ _PROM_COUNTERS = {
     "expired_leases": "Prefill requests whose blocks were freed because their lease expired before all readers.",
     "aborted_leases": "Prefill requests freed at once because their reader (or the proxy) aborted the read.",
     "refused_messages": "Claims, notifications and aborts refused: no such held request, or a wrong token.",
-    "claim_retries": "Claims refused at once as not held and sent again (a claim normally waits for its hold).",
+    "claim_retries": "Claims answered as not held and sent again (a claim waits for its hold half its deadline).",
 }
 
 
