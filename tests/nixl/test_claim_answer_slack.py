@@ -20,26 +20,19 @@ import torch
 
 from kvbridge.core.config import BridgeConfig
 from kvbridge.core.identity import WorkerIdentity
-from kvbridge.core.memory import synthesize_memory
-from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.runtime import claims
 from kvbridge.runtime.decode_worker import DecodeWorker, LoadJob
 from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire.later import Later
-from kvbridge.wire.params import PrefillDone
+from support.prefill_process import GEOMETRY, memory_of, params_of
 
 pytestmark = pytest.mark.nixl
 
-GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
-BLOCKS = 16
 DEADLINE_S = 2.0  # handshake_timeout_s: one attempt's answer deadline (one retry, the default)
 LATE_S = 0.5  # how late the prefill worker's thread gives a waiting claim's answer
 HOLD_AFTER_S = 5.0  # the hold comes after two attempts' deadlines
-
-
-def memory_of(buffer: torch.Tensor):
-    return synthesize_memory("LBHNC", GEOMETRY, [0, 1], 2, BLOCKS, buffer.data_ptr())
 
 
 @pytest.fixture
@@ -68,16 +61,7 @@ def load_with_a_late_hold() -> tuple[bool, bool]:
         decode = DecodeWorker(
             WorkerIdentity("decode", layout, 0, WorkerRank(0, 0), GEOMETRY), memory_of(decode_kv), config
         ).start()
-        source = PrefillDone(
-            remote_engine_id="prefill",
-            remote_request_id="r",
-            remote_block_ids=[1, 2],
-            remote_host="127.0.0.1",
-            remote_port=port,
-            remote_layout="pp=1,tp=1",
-            remote_token="token-r",
-            remote_prompt_hash="h",
-        )
+        source = params_of(port, "r", [1, 2], engine="prefill")
         hold = threading.Timer(HOLD_AFTER_S, prefill.hold, ("r", ((1, 2),), "token-r", "h"))
         hold.start()
         decode.load(LoadJob("decode-r", source, ((3, 4),), ((1, 2),)))
