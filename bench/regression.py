@@ -5,7 +5,8 @@ Each commit gets a tree of its own (`git worktree add --detach`, removed at the 
 measurement alternates between the two trees, so that both see the same machine state.
 
 - `cpu`: disaggregated prefill/decode through real vLLM servers (CPU, the tiny seeded model; prefill workers on
-  core 0, decode workers on core 1), the servers importing kvbridge from the commit's tree. Per request: TTFT,
+  core 0, decode workers on core 1), the servers importing kvbridge from the commit's tree. `--busy-tokens N`
+  keeps the prefill server computing other prompts of N tokens meanwhile (a loaded prefill instance). Per request: TTFT,
   its prefill leg, its decode leg (TTFT minus the prefill leg), and from the decode server's metrics the KV bytes
   and `vllm:kvbridge_transfer_seconds` (a commit's own meaning: claim sent -> data landed from 58b7562 on, job
   queued -> completion before it). Runs `--runs` rounds per pair, the commits' order turning each round. Wrap in
@@ -86,7 +87,27 @@ def median(values) -> float | None:
 LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}
 
 
-def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: float) -> dict:
+def keep_busy(url: str, tokens: int, clients: int, timeout: float):
+    """Start `clients` threads that send the server prefill-only requests of `tokens` fresh random tokens, one after
+    another, until the returned event is set: a prefill engine that is always computing another prompt."""
+    import threading
+
+    from kvbridge.serving.launcher import complete
+
+    stop = threading.Event()
+
+    def run(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                complete(url, [rng.randrange(1, 1000) for _ in range(tokens)], 1, timeout=timeout)
+
+    for i in range(clients):
+        threading.Thread(target=run, args=(1000 + i,), daemon=True).start()
+    return stop
+
+
+def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: float, busy=(0, 0)) -> dict:
     from kvbridge.serving.launcher import (
         VllmServer,
         complete,
@@ -147,6 +168,8 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
         first = complete(prefill.url, warm, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
         complete(decode.url, warm, 2, kv_transfer_params=first["kv_transfer_params"], timeout=timeout)
         settled(before)
+        busy_tokens, busy_clients = busy
+        stop = keep_busy(prefill.url, busy_tokens, busy_clients, timeout) if busy_tokens and busy_clients else None
         for prompt in prompts:
             before = kv()
             t0 = time.monotonic()
@@ -174,6 +197,8 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
                     },
                 }
             )
+        if stop is not None:
+            stop.set()
         # the prefill side's timeline of the requests it released (commits that export it), means over the run
         m = metrics(prefill.url)
         name = "vllm:kvbridge_hold_phase_seconds"
@@ -216,7 +241,9 @@ def run_cpu(args, sides) -> dict:
                 label, tree = sides[side]
                 t0 = time.monotonic()
                 try:
-                    res = cpu_pair(model, pair, tree, prompts, workdir, args.timeout)
+                    res = cpu_pair(
+                        model, pair, tree, prompts, workdir, args.timeout, (args.busy_tokens, args.busy_clients)
+                    )
                 except Exception as exc:  # recorded: one failure must not hide the other side
                     res = {"error": f"{type(exc).__name__}: {exc}"}
                 res.update(run=run, pair=pair, side=side, commit=label, wall_s=round(time.monotonic() - t0, 1))
@@ -241,7 +268,12 @@ def run_cpu(args, sides) -> dict:
                 for side in ("base", "head")
             },
         }
-    return {"prompts": {"count": args.prompts, "tokens": args.prompt_tokens}, "summary": summary, "runs": runs}
+    busy = {"tokens": args.busy_tokens, "clients": args.busy_clients}
+    return {
+        "prompts": {"count": args.prompts, "tokens": args.prompt_tokens},
+        "busy_prefill": busy,
+        **{"summary": summary, "runs": runs},
+    }
 
 
 # --- gpu: the runtime bench of each tree -------------------------------------------------------------------------
@@ -299,6 +331,13 @@ def main() -> int:
     parser.add_argument("--pairs", default="pp1-pp1,pp2-tp2", help="cpu: prefill-decode layout pairs")
     parser.add_argument("--prompts", type=int, default=12, help="cpu: prompts per round and pair")
     parser.add_argument("--prompt-tokens", type=int, default=400, help="cpu: tokens per prompt")
+    parser.add_argument(
+        "--busy-tokens",
+        type=int,
+        default=0,
+        help="cpu: keep the prefill server computing other prompts of this many tokens meanwhile (0: idle)",
+    )
+    parser.add_argument("--busy-clients", type=int, default=2, help="cpu: clients sending those prompts")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--workdir", default="/tmp/kvbridge-regression")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))

@@ -229,6 +229,12 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     pending or blocks are held; that busy loop left other processes' threads (a prefill worker's side channel on
     a shared core) 15 s on the run queue. A request arriving meanwhile waits at most this long. 0: off."""
 
+    hold_feed: bool = True
+    """Prefill: send each finished request's hold from the scheduler to the workers on this host at once, over a
+    Unix socket only this user can open (`wire.hold_feed`), besides the next step's metadata. With vLLM's async
+    scheduling the metadata brings a hold one step late: on a busy prefill engine a decode's claim then waits a
+    whole prefill step for it. False: the metadata only."""
+
     peer_tp: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
     """The TP size of the instances on the other side (the prefill instances of a decode, the decode instances of
     a prefill; both of a kv_both). Checked at startup for models whose cache holds state (Mamba), which kvbridge

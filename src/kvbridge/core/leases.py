@@ -284,6 +284,11 @@ class LeaseBook:
         """Whether `request_id` is held (whatever its state: a claim of it is answered now, never kept waiting)."""
         return request_id in self._entries
 
+    def knows(self, request_id: str, token: str) -> bool:
+        """Whether `request_id` is held with `token`, or was and was freed lately: its hold came already."""
+        entry = self._entries.get(request_id)
+        return (entry is not None and _same(entry.token, token)) or self.freed(request_id, token)
+
     def freed(self, request_id: str, token: str) -> bool:
         """Whether `request_id` was held here with `token` and freed lately (read, aborted or expired; the last
         `max_freed`): a claim of it is refused at once, never kept waiting for a hold. False for a wrong token: a

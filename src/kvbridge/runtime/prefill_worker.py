@@ -192,9 +192,12 @@ class PrefillWorker:
     ) -> None:
         """Keep `request_id`'s blocks (per KV-cache group, as its params publish them) until its readers are done,
         it is aborted, or its lease expires; claims of it that came first are answered now. `finished_at`: when the
-        scheduler finished the request (time.monotonic, for its timeline)."""
+        scheduler finished the request (time.monotonic, for its timeline). A hold that comes again (the hold feed,
+        then the metadata) changes nothing, also once the request was freed."""
         now = self.clock()
         with self._lock:
+            if self._leases.knows(request_id, token):
+                return
             self._leases.hold(request_id, now, token, prompt_hash, block_ids)
             self._times.held(request_id, now if finished_at is None else finished_at, now)
             answers = [(w.answer, self._claim(w.claim, now)) for w in self._waiting.take(request_id)]

@@ -21,6 +21,10 @@ class KVBridgeMetadata(KVConnectorMetadata):
     """Prefill side: finished requests (id, block ids, token, prompt hash, when it finished: time.monotonic) whose
     blocks stay held for readers."""
 
+    hold_feed: str = ""
+    """Prefill side: the address of the scheduler's hold feed (`wire.hold_feed`), where holds come as requests
+    finish, before the metadata brings them; "" for none."""
+
     dead: dict[tuple, str] = field(default_factory=dict)
     """Decode side: prefill engines (key -> why) a worker of this instance found gone or unreachable: every worker
     fails its loads in flight from them at once and knows them dead (`DecodeWorker.engine_down`)."""

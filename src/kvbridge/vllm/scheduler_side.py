@@ -36,6 +36,7 @@ from kvbridge.vllm.fingerprint import model_fingerprint
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import advertised_host, cache_groups, engine_layout
+from kvbridge.wire.hold_feed import HoldFeed, HoldNote
 from kvbridge.wire.keys import load_keys, request_token
 from kvbridge.wire.params import (
     PrefillDone,
@@ -101,6 +102,12 @@ class SchedulerSide:
         self._seen: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._refused_keys: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._stats = KVBridgeStats()
+        self.feed = HoldFeed() if self.is_producer and config.hold_feed else None
+        """Holds to this engine's workers as requests finish (`wire.hold_feed`), besides the metadata."""
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
 
     def _moved(self, request: Request) -> int:
         """Prompt tokens a load of `request` covers (decode side): all, or N-1 with state."""
@@ -299,6 +306,8 @@ class SchedulerSide:
 
     def build_connector_meta(self) -> KVBridgeMetadata:
         meta, self._meta = self._meta, KVBridgeMetadata()
+        if self.feed is not None:
+            meta.hold_feed = self.feed.address
         return meta
 
     def tell_workers_dead(self, dead: dict[tuple, str]) -> None:
@@ -379,7 +388,8 @@ class SchedulerSide:
         if self.key is not None:
             done = done.signed(self.key)
         held = tuple(tuple(ids) for ids in done.group_block_ids)  # per group, as decode workers claim them
-        self._meta.holds.append(
-            (request.request_id, held, done.remote_token, done.remote_prompt_hash, time.monotonic())
-        )
+        hold = (request.request_id, held, done.remote_token, done.remote_prompt_hash, time.monotonic())
+        self._meta.holds.append(hold)
+        if self.feed is not None:  # the workers hold it now: the metadata brings it only a step or two later
+            self.feed.send(HoldNote(*hold))
         return True, done.to_dict()

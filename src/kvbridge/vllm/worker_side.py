@@ -22,6 +22,7 @@ from kvbridge.vllm.fingerprint import model_fingerprint
 from kvbridge.vllm.metadata import KVBridgeMetadata
 from kvbridge.vllm.stats import KVBridgeStats
 from kvbridge.vllm.vllm_facts import engine_layout, geometry, page_format, state_groups, worker_rank
+from kvbridge.wire.hold_feed import HoldFeedReader, HoldNote
 from kvbridge.wire.keys import load_keys
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ class WorkerSide:
         self.stats = KVBridgeStats()
         self.kv_cache_config = kv_cache_config
         self._aborted = self._refused = 0  # prefill lease totals already recorded
+        self._feed: HoldFeedReader | None = None
+        self._feed_address = ""  # the hold feed subscribed to, or tried and not on this host
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -175,8 +178,23 @@ class WorkerSide:
             for job in (*meta.loads, *meta.releases):
                 self.decode.load(job)
         if self.prefill is not None:
+            if meta.hold_feed and meta.hold_feed != self._feed_address:
+                self._subscribe(meta.hold_feed)
             for request_id, block_ids, token, phash, finished_at in meta.holds:
                 self.prefill.hold(request_id, block_ids, token, phash, finished_at)
+
+    def _subscribe(self, address: str) -> None:
+        """Take holds from the scheduler's feed as requests finish (`wire.hold_feed`); the metadata still brings
+        each (a hold that comes twice is held once)."""
+        if self._feed is not None:
+            self._feed.close()
+        self._feed_address = address
+        prefill = self.prefill
+
+        def on_note(note: HoldNote) -> None:
+            prefill.hold(note.request_id, note.groups, note.token, note.prompt_hash, note.finished_at)
+
+        self._feed = HoldFeedReader.open(address, on_note, name=f"kvbridge-holds-{self.prefill.identity.rank}")
 
     def transfer_results(self, wait: bool = False) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets.
@@ -217,6 +235,9 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
         for runtime in (self.decode, self.prefill):
             if runtime is not None:
                 runtime.close()
