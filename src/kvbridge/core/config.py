@@ -291,8 +291,9 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     again (0: every load tries again)."""
 
     claim_window_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 10.0
-    """How long a claim of a request not held yet may wait for its hold (the prefill side learns of a hold one
-    engine step after the client got its kv_transfer_params, and a busy prefill engine's step can take seconds):
+    """How long a claim of a request not held yet may wait for its hold (a worker without the hold feed, e.g. on
+    another host than its engine's scheduler, learns of a hold one or two engine steps after the client got its
+    kv_transfer_params, and a busy prefill engine's step can take seconds):
     the prefill worker keeps such a claim for half of one attempt's answer deadline (handshake_timeout_s) and
     answers it when the hold comes, or as not held once that half passed; the decode side sends a claim answered
     not held again for as long as this lasts. Never past the load's deadline. A prefill
