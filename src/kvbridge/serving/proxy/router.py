@@ -13,7 +13,8 @@ Picking an instance of a kind (`routing`):
 Deciding the path (`disaggregation`): `always` sends every sub-request through a prefill instance; `selective`
 estimates the tokens the chosen decode instance would compute itself (the prompt less the prefix it likely holds)
 and sends the request straight to it when that is below the threshold (`direct_below_tokens`, or learned:
-costs.py, which weighs what the prefill instance the request would go to lacks of the prompt). With the learned
+costs.py, which weighs what the prefill instance the request would go to lacks of the prompt, and the requests
+running on the decode instance that computing the prompt there would hold up). With the learned
 threshold, a decode instance running nothing serves the request itself when the prefill instance holds no more of
 the prompt than it does (`decode_idle`): the prefill would compute as much, plus the hop and the transfer. A
 request vLLM would not read transferred KV for (prompt logprobs) goes straight to the decode instance in every mode.
@@ -117,15 +118,16 @@ class Router:
         self.queued = dict.fromkeys(balancer.backends(), 0)
         """Per instance, the tokens routed to it for computing whose compute has not ended (`settle`)."""
 
-    def threshold(self, ahead: int = 0) -> float | None:
+    def threshold(self, ahead: int = 0, sharing: int = 0) -> float | None:
         """The current threshold when the prefill instance would compute `ahead` tokens more than the decode
-        instance before the request's first token (costs.py; None: `always`)."""
+        instance before the request's first token and `sharing` other requests run on the decode instance
+        (costs.py; None: `always`)."""
         cfg = self.config
         if cfg.disaggregation == "always":
             return None
         if cfg.direct_below_tokens is not None:
             return float(cfg.direct_below_tokens)
-        learned = self.learner.costs.threshold(ahead)
+        learned = self.learner.costs.threshold(ahead, sharing)
         return float(cfg.direct_initial_tokens) if learned is None else learned
 
     def route(self, body: Mapping[str, Any], chat: bool, now: float, force_direct: bool = False) -> Route:
@@ -150,7 +152,7 @@ class Router:
                 prefill = None  # no prefill instance up: only a direct decision can be served
             prefill_new = blocks.tokens - (prefill.held_tokens if prefill is not None else 0)
             queued_prefill = self.queued[prefill.backend] if prefill is not None else 0
-            threshold = self.threshold(queued_prefill + prefill_new - queued_decode)
+            threshold = self.threshold(queued_prefill + prefill_new - queued_decode, decode.backend.outstanding)
             learned = cfg.direct_below_tokens is None
             if learned and queued_decode == 0 and decode.backend.outstanding == 0 and new <= prefill_new:
                 reason = "decode_idle"
