@@ -30,3 +30,15 @@ def test_a_pp2_prefill_feeds_a_tp2_decode_the_aggregated_output(pair):
     after = metrics(decode.url)
     assert delta(before, after, SOURCE, source="external_kv_transfer") == sum(len(p) for p in batch)
     assert delta(before, after, SOURCE, source="local_compute") == 0
+
+
+def test_each_prefill_worker_takes_holds_from_the_schedulers_feed(pair):
+    """Both pp2 workers subscribed to the hold feed the scheduler announced in the step metadata (wire/hold_feed.py),
+    so holds reach them as requests finish, not a step or two later."""
+    prefill, decode = pair
+    disaggregated(prefill, decode, prompts(seed_of("smoke-feed"), (40,))[0])  # a step with metadata ran
+    log = prefill.log_path.read_text(errors="replace")
+    subscribed = {
+        line.split("prefill worker ")[1].split(":")[0] for line in log.splitlines() if "scheduler's feed" in line
+    }
+    assert len(subscribed) == 2, log[-3000:]

@@ -229,17 +229,17 @@ def test_each_request_goes_where_its_first_token_comes_first_and_the_queues_bala
     assert (first.reason, first.queued, r.queued[decode]) == ("decode_idle", 0, 400)
     b = r.route({"prompt": [5] * 300}, False, now=1)  # prefill: 0 + 300 ahead; decode: 400 + 300, 1 running
     assert (b.path, b.queued, b.threshold) == ("disaggregated", 0, pytest.approx(-100 / 2))
-    c = r.route({"prompt": [6] * 300}, False, now=2)  # prefill: 300 + 300; decode: 400 + 300, 2 running
-    assert (c.path, c.queued, c.threshold) == ("disaggregated", 300, pytest.approx(200 / 3))
-    for _ in range(2):  # b and c loaded their KV and finished on the decode instance: `first` alone runs there
-        r.balancer.release(decode)
-    d = r.route({"prompt": [8] * 150}, False, now=3)  # prefill: 600 + 150; decode: 400 + 150 + 150 (1 running)
+    # b is in its prefill leg: counted by the decode instance's balancer, not running there
+    assert (decode.outstanding, r.sharing(decode)) == (2, 1)
+    c = r.route({"prompt": [6] * 300}, False, now=2)  # prefill: 300 + 300; decode: 400 + 300, 1 running
+    assert (c.path, c.queued, c.threshold) == ("disaggregated", 300, pytest.approx(200 / 2))
+    d = r.route({"prompt": [8] * 150}, False, now=3)  # prefill: 600 + 150; decode: 400 + 150, 1 running
     assert (d.path, d.reason, d.queued, d.threshold) == ("direct", "below_threshold", 400, pytest.approx(350 / 2))
     assert (r.queued[prefill], r.queued[decode]) == (600, 550)
     assert "queued=400" in d.line()
     for route in (first, b, c, d, b):  # settling twice counts once
         r.settle(route)
-    assert (r.queued[prefill], r.queued[decode]) == (0, 0)
+    assert (r.queued[prefill], r.queued[decode], r.prefilling[decode]) == (0, 0, 0)
 
 
 def test_a_prompt_is_disaggregated_sooner_the_more_requests_run_on_the_decode():

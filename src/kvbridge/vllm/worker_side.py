@@ -194,7 +194,12 @@ class WorkerSide:
         def on_note(note: HoldNote) -> None:
             prefill.hold(note.request_id, note.groups, note.token, note.prompt_hash, note.finished_at)
 
-        self._feed = HoldFeedReader.open(address, on_note, name=f"kvbridge-holds-{self.prefill.identity.rank}")
+        rank = self.prefill.identity.rank
+        self._feed = HoldFeedReader.open(address, on_note, name=f"kvbridge-holds-{rank}")
+        if self._feed is not None:
+            logger.info("kvbridge prefill worker %s: holds come from the scheduler's feed %s", rank, address)
+        else:
+            logger.info("kvbridge prefill worker %s: holds come with the step metadata only", rank)
 
     def transfer_results(self, wait: bool = False) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving); failed ids are in both receiving sets.
