@@ -99,12 +99,23 @@ def keep_busy(url: str, tokens: int, clients: int, timeout: float):
     def run(seed: int) -> None:
         rng = random.Random(seed)
         while not stop.is_set():
-            with contextlib.suppress(Exception):
+            try:
                 complete(url, [rng.randrange(1, 1000) for _ in range(tokens)], 1, timeout=timeout)
+            except Exception:
+                stop.wait(0.5)  # the server is gone or failing: do not spin
 
-    for i in range(clients):
-        threading.Thread(target=run, args=(1000 + i,), daemon=True).start()
+    threads = [threading.Thread(target=run, args=(1000 + i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    stop.threads = threads  # joined by `stop_busy`
     return stop
+
+
+def stop_busy(stop) -> None:
+    if stop is not None:
+        stop.set()
+        for thread in stop.threads:
+            thread.join(timeout=30)
 
 
 def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: float, busy=(0, 0)) -> dict:
@@ -170,35 +181,38 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
         settled(before)
         busy_tokens, busy_clients = busy
         stop = keep_busy(prefill.url, busy_tokens, busy_clients, timeout) if busy_tokens and busy_clients else None
-        for prompt in prompts:
-            before = kv()
-            t0 = time.monotonic()
-            first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
-            prefill_s = time.monotonic() - t0
-            _, decode_first = complete_streaming(
-                decode.url, prompt, 4, kv_transfer_params=first["kv_transfer_params"], timeout=timeout
-            )
-            after = settled(before)
-            moved, seconds, loads, *phases = (a - b for a, b in zip(after, before, strict=True))
-            per_load_s = seconds / loads if loads else None
-            mib_per_load = moved / loads / 2**20 if loads else None
-            rows.append(
-                {
-                    "prompt_tokens": len(prompt),
-                    "ttft_s": prefill_s + decode_first,
-                    "prefill_leg_s": prefill_s,
-                    "decode_leg_s": decode_first,
-                    "kv_bytes": moved,
-                    "loads": loads,
-                    "transfer_s_per_load": per_load_s,
-                    "transfer_ms_per_mib": 1000 * per_load_s / mib_per_load if per_load_s and mib_per_load else None,
-                    "phase_ms_per_load": {
-                        p: 1000 * v / loads for p, v in zip(CPU_PHASES, phases, strict=True) if v and loads
-                    },
-                }
-            )
-        if stop is not None:
-            stop.set()
+        try:
+            for prompt in prompts:
+                before = kv()
+                t0 = time.monotonic()
+                first = complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
+                prefill_s = time.monotonic() - t0
+                _, decode_first = complete_streaming(
+                    decode.url, prompt, 4, kv_transfer_params=first["kv_transfer_params"], timeout=timeout
+                )
+                after = settled(before)
+                moved, seconds, loads, *phases = (a - b for a, b in zip(after, before, strict=True))
+                per_load_s = seconds / loads if loads else None
+                mib_per_load = moved / loads / 2**20 if loads else None
+                rows.append(
+                    {
+                        "prompt_tokens": len(prompt),
+                        "ttft_s": prefill_s + decode_first,
+                        "prefill_leg_s": prefill_s,
+                        "decode_leg_s": decode_first,
+                        "kv_bytes": moved,
+                        "loads": loads,
+                        "transfer_s_per_load": per_load_s,
+                        "transfer_ms_per_mib": 1000 * per_load_s / mib_per_load
+                        if per_load_s and mib_per_load
+                        else None,
+                        "phase_ms_per_load": {
+                            p: 1000 * v / loads for p, v in zip(CPU_PHASES, phases, strict=True) if v and loads
+                        },
+                    }
+                )
+        finally:
+            stop_busy(stop)
         # the prefill side's timeline of the requests it released (commits that export it), means over the run
         m = metrics(prefill.url)
         name = "vllm:kvbridge_hold_phase_seconds"
@@ -272,7 +286,8 @@ def run_cpu(args, sides) -> dict:
     return {
         "prompts": {"count": args.prompts, "tokens": args.prompt_tokens},
         "busy_prefill": busy,
-        **{"summary": summary, "runs": runs},
+        "summary": summary,
+        "runs": runs,
     }
 
 

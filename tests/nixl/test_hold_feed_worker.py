@@ -45,7 +45,7 @@ def subscribed(scheduler, worker) -> HoldFeedReader:
     """The worker's reader of the scheduler's feed, once it has joined (a warm-up note held)."""
     reader = HoldFeedReader.open(
         scheduler.feed.address,
-        lambda n: worker.hold(n.request_id, n.groups, n.token, n.prompt_hash, n.finished_at),
+        lambda n: worker.hold(n.request_id, n.groups, n.token, n.prompt_hash, n.finished_at, fed=True),
     )
     deadline = time.monotonic() + 3
     while not worker._leases.holds("warm-up") and time.monotonic() < deadline:
@@ -65,7 +65,7 @@ def test_a_claim_is_granted_before_any_step_brings_the_hold(feed):
         _, params = finished(scheduler)
         answer, seconds = ask(worker, claim_of(params, wait_s=0.5))
         if feed:
-            assert answer == wire.Ack(request_id="p1", epoch=worker.epoch) and seconds < 0.3
+            assert answer == wire.Ack(request_id="p1", epoch=worker.epoch) and seconds < 0.45
         else:
             assert isinstance(answer, wire.ErrorReply) and answer.reason == wire.Refusal.NOT_HELD
             assert seconds >= 0.45
@@ -101,6 +101,42 @@ def test_a_hold_that_comes_again_changes_nothing():
         # the control: a hold of the same id with another token is a new hold
         worker.hold("p1", hold[1], "another", hold[3], hold[4])
         assert worker._leases.holds("p1")
+    finally:
+        reader.close()
+        worker.close()
+        scheduler.close()
+
+
+def test_the_metadatas_copy_of_a_fed_hold_is_dropped_whatever_was_freed_since():
+    """The worker remembers the holds the feed brought until their metadata copy comes, so that copy is dropped
+    even when the request's entry has left the list of lately freed requests. The control: a hold the feed did not
+    bring, freed and gone from that list, is held again by a copy that comes later."""
+    scheduler = producer()
+    worker = prefill_worker(GEOMETRY)
+    reader = subscribed(scheduler, worker)
+    try:
+        worker._leases.max_freed = 1  # any other free evicts the request from the lately freed
+        _, params = finished(scheduler)
+        deadline = time.monotonic() + 3
+        while not worker._leases.holds("p1") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        holds = scheduler.build_connector_meta().holds
+        fed = next(h for h in holds if h[0] == "p1")
+        unfed = ("q1", fed[1], "tok-q", fed[3], time.monotonic())
+        worker.hold(*unfed)  # the control's request: from the metadata only
+        for request_id, token in (("p1", params["remote_token"]), ("q1", "tok-q"), ("warm-up", "w")):
+            abort = wire.Abort(request_id=request_id, engine_id="d", worker=wire.Worker(), token=token)
+            assert isinstance(ask(worker, abort)[0], wire.Ack)
+        deadline = time.monotonic() + 3
+        gone: set = set()
+        while not {"p1", "q1"} <= gone and time.monotonic() < deadline:
+            gone |= worker.finished()[0]
+            time.sleep(0.01)
+        assert not worker._leases.freed("p1", params["remote_token"])  # evicted from the lately freed
+        worker.hold(*fed)
+        worker.hold(*unfed)
+        assert not worker._leases.holds("p1")
+        assert worker._leases.holds("q1")  # the control
     finally:
         reader.close()
         worker.close()

@@ -8,11 +8,17 @@ from types import SimpleNamespace
 from kvbridge.core.config import BridgeConfig
 
 
-def producer(hold_feed: bool = True):
-    """A prefill engine's scheduler side (pp=1, tp=1, block size 4, no key); `hold_feed`: its feed on or off."""
+def producer(hold_feed: bool = True, role: str = "producer"):
+    """A prefill engine's scheduler side (pp=1, tp=1, block size 4, no key); `hold_feed`: its feed on or off;
+    `role` "consumer": a decode engine's instead."""
     from kvbridge.vllm.scheduler_side import SchedulerSide
 
-    kv = SimpleNamespace(engine_id="engine-p", is_kv_producer=True, is_kv_consumer=False, kv_load_failure_policy="fail")
+    kv = SimpleNamespace(
+        engine_id=f"engine-{role}",
+        is_kv_producer=role == "producer",
+        is_kv_consumer=role == "consumer",
+        kv_load_failure_policy="fail",
+    )
     parallel = SimpleNamespace(
         pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=0
     )

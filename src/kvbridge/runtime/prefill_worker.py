@@ -18,6 +18,7 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,12 @@ if TYPE_CHECKING:
     from kvbridge.core.memory import IpcHandle
 
 logger = logging.getLogger(__name__)
+
+FED_NOTE_MAX_AGE_S = 1.0
+"""A hold from the feed older than this (since the scheduler finished the request) is left to the metadata: the
+copy the metadata brings may have come, been read and freed already."""
+MAX_FED = 1 << 16
+"""Holds the feed brought whose metadata copy has not come yet, remembered to drop that copy (the oldest go)."""
 
 
 class PrefillWorker:
@@ -95,6 +102,7 @@ class PrefillWorker:
         self._finished: set[str] = set()
         self._expired_new = 0
         self._waiting = WaitingClaims(config.max_waiting_claims)  # claims waiting for their holds (under _lock)
+        self._fed: OrderedDict[str, str] = OrderedDict()  # the feed's holds not yet in the metadata (under _lock)
         self._times = HoldTimeline()  # held requests' timelines (under _lock)
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
         self._backoff = Backoff(first_s=100e-6, cap_s=5e-3)
@@ -189,14 +197,27 @@ class PrefillWorker:
         token: str = "",
         prompt_hash: str = "",
         finished_at: float | None = None,
+        fed: bool = False,
     ) -> None:
         """Keep `request_id`'s blocks (per KV-cache group, as its params publish them) until its readers are done,
         it is aborted, or its lease expires; claims of it that came first are answered now. `finished_at`: when the
-        scheduler finished the request (time.monotonic, for its timeline). A hold that comes again (the hold feed,
-        then the metadata) changes nothing, also once the request was freed."""
+        scheduler finished the request (time.monotonic, for its timeline).
+
+        Every hold comes with the step metadata; `fed`: this is the hold feed's copy (`wire.hold_feed`), which
+        usually comes first. The second copy changes nothing, also once the request was read and freed: the
+        metadata's copy of a fed hold is dropped by its id, and a fed copy that comes second is dropped while the
+        request is held or lately freed (`LeaseBook.knows`), or once older than FED_NOTE_MAX_AGE_S."""
         now = self.clock()
         with self._lock:
-            if self._leases.knows(request_id, token):
+            if fed:
+                if finished_at is not None and time.monotonic() - finished_at > FED_NOTE_MAX_AGE_S:
+                    return
+                if self._leases.knows(request_id, token):
+                    return
+                self._fed[request_id] = token
+                while len(self._fed) > MAX_FED:
+                    self._fed.popitem(last=False)
+            elif self._fed.pop(request_id, None) == token or self._leases.knows(request_id, token):
                 return
             self._leases.hold(request_id, now, token, prompt_hash, block_ids)
             self._times.held(request_id, now if finished_at is None else finished_at, now)

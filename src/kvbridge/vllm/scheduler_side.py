@@ -102,7 +102,7 @@ class SchedulerSide:
         self._seen: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._refused_keys: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         self._stats = KVBridgeStats()
-        self.feed = HoldFeed() if self.is_producer and config.hold_feed else None
+        self.feed = HoldFeed.open() if self.is_producer and config.hold_feed else None
         """Holds to this engine's workers as requests finish (`wire.hold_feed`), besides the metadata."""
 
     def close(self) -> None:

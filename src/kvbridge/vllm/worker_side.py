@@ -192,7 +192,7 @@ class WorkerSide:
         prefill = self.prefill
 
         def on_note(note: HoldNote) -> None:
-            prefill.hold(note.request_id, note.groups, note.token, note.prompt_hash, note.finished_at)
+            prefill.hold(note.request_id, note.groups, note.token, note.prompt_hash, note.finished_at, fed=True)
 
         rank = self.prefill.identity.rank
         self._feed = HoldFeedReader.open(address, on_note, name=f"kvbridge-holds-{rank}")

@@ -49,16 +49,30 @@ _decode = msgspec.msgpack.Decoder(HoldNote).decode
 
 class HoldFeed:
     """The scheduler's end: binds at construction; `send` never blocks (a note that cannot go is dropped: the
-    metadata carries it too)."""
+    metadata carries it too). A directory left by an engine killed with SIGKILL stays in the temp dir
+    (`kvbridge-*`, empty but for the socket)."""
 
     def __init__(self) -> None:
         self.directory = tempfile.mkdtemp(prefix="kvbridge-")  # mode 0700, a fresh name
         self.address = f"ipc://{os.path.join(self.directory, SOCKET_NAME)}"
         self._socket = zmq_context().socket(zmq.PUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 4096)
-        self._socket.bind(self.address)
         self._cleanup = weakref.finalize(self, _remove, self._socket, self.directory)
+        try:
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.SNDHWM, 4096)
+            self._socket.bind(self.address)
+        except zmq.ZMQError:
+            self._cleanup()
+            raise
+
+    @classmethod
+    def open(cls) -> HoldFeed | None:
+        """A bound feed, or None when none can be made here (the metadata alone then brings the holds)."""
+        try:
+            return cls()
+        except (OSError, zmq.ZMQError) as exc:
+            logger.warning("kvbridge: no hold feed (%s): holds reach the workers with the step metadata only", exc)
+            return None
 
     def send(self, note: HoldNote) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -69,8 +83,10 @@ class HoldFeed:
 
 
 def _remove(sock: zmq.Socket, directory: str) -> None:
-    sock.close(linger=0)
-    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        sock.close(linger=0)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def private_socket(address: str) -> str | None:
