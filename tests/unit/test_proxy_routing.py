@@ -206,57 +206,36 @@ def test_the_prefill_instances_missing_prefix_counts_against_disaggregating():
         r.route({"prompt": [7] * 40}, False, now=1)  # the decode instance runs another request
         return r
 
-    # the decode has 40 tokens queued and runs 1 request: direct is (40 + new) / rate, and new / rate for the one
-    # it holds up; disaggregated 1 ms + prefill_new / rate
+    # the decode has 40 tokens queued: direct is (40 + new) / rate; disaggregated 1 ms + prefill_new / rate
     lacking = busy_turn(prefill_holds=False).route({"prompt": list(range(560))}, False, now=2)
     assert (lacking.new_tokens, lacking.prefill_new) == (160, 560)
-    assert lacking.threshold == pytest.approx((0.001 + (560 - 40) / 1e4) / (2 / 1e4))  # 265 tokens
+    assert lacking.threshold == pytest.approx((0.001 + (560 - 40) / 1e4) / (1 / 1e4))  # 530 tokens
     assert (lacking.path, lacking.reason) == ("direct", "below_threshold")
     holding = busy_turn(prefill_holds=True).route({"prompt": list(range(560))}, False, now=2)
     assert (holding.new_tokens, holding.prefill_new) == (160, 160)
-    assert holding.threshold == pytest.approx((0.001 + (160 - 40) / 1e4) / (2 / 1e4))  # 65 tokens
+    assert holding.threshold == pytest.approx((0.001 + (160 - 40) / 1e4) / (1 / 1e4))  # 130 tokens
     assert (holding.path, holding.reason) == ("disaggregated", "at_or_above_threshold")
 
 
 def test_each_request_goes_where_its_first_token_comes_first_and_the_queues_balance():
     """The router keeps, per instance, the tokens routed there and not computed yet: a request is disaggregated
-    while the prefill instance's queue and what it lacks come to less than the decode's queue and its new tokens,
-    these counted once more for each request running on the decode instance (plus the hop and the transfer), and
-    goes straight to the decode once the prefill's queue is the longer."""
+    while the prefill instance's queue and what it lacks come to less than the decode's queue and its new tokens
+    (plus the hop and the transfer), and goes straight to the decode once the prefill's queue is the longer."""
     r = learned(router(disaggregation="selective", decode=1))  # 10,000 tokens/s, no hop, no transfer cost
     prefill, decode = r.balancer.backends("prefill")[0], r.balancer.backends("decode")[0]
     first = r.route({"prompt": [7] * 400}, False, now=0)
     assert (first.reason, first.queued, r.queued[decode]) == ("decode_idle", 0, 400)
-    b = r.route({"prompt": [5] * 300}, False, now=1)  # prefill: 0 + 300 ahead; decode: 400 + 300, 1 running
-    assert (b.path, b.queued, b.threshold) == ("disaggregated", 0, pytest.approx(-100 / 2))
-    # b is in its prefill leg: counted by the decode instance's balancer, not running there
-    assert (decode.outstanding, r.sharing(decode)) == (2, 1)
-    c = r.route({"prompt": [6] * 300}, False, now=2)  # prefill: 300 + 300; decode: 400 + 300, 1 running
-    assert (c.path, c.queued, c.threshold) == ("disaggregated", 300, pytest.approx(200 / 2))
-    d = r.route({"prompt": [8] * 150}, False, now=3)  # prefill: 600 + 150; decode: 400 + 150, 1 running
-    assert (d.path, d.reason, d.queued, d.threshold) == ("direct", "below_threshold", 400, pytest.approx(350 / 2))
-    assert (r.queued[prefill], r.queued[decode]) == (600, 550)
+    b = r.route({"prompt": [5] * 300}, False, now=1)  # prefill: 0 + 300 ahead; decode: 400 + 300
+    assert (b.path, b.queued, b.threshold) == ("disaggregated", 0, pytest.approx(-100))
+    c = r.route({"prompt": [6] * 300}, False, now=2)  # prefill: 300 + 300; decode: 400 + 300
+    assert (c.path, c.queued, c.threshold) == ("disaggregated", 300, pytest.approx(200))
+    d = r.route({"prompt": [8] * 300}, False, now=3)  # prefill: 600 + 300; decode: 400 + 300
+    assert (d.path, d.reason, d.queued, d.threshold) == ("direct", "below_threshold", 400, pytest.approx(500))
+    assert (r.queued[prefill], r.queued[decode]) == (600, 700)
     assert "queued=400" in d.line()
     for route in (first, b, c, d, b):  # settling twice counts once
         r.settle(route)
-    assert (r.queued[prefill], r.queued[decode], r.prefilling[decode]) == (0, 0, 0)
-
-
-def test_a_prompt_is_disaggregated_sooner_the_more_requests_run_on_the_decode():
-    """Computed on the decode instance, a prompt holds up the requests running there: with the same queues, the
-    threshold falls as they grow (the control: none running, the request's own first token alone decides)."""
-    thresholds = []
-    for others in range(4):  # 300 new tokens for the decode, 700 for the prefill
-        r = learned(router(disaggregation="selective", decode=1))
-        decode = r.balancer.backends("decode")[0]
-        r.indexes[decode].add(keys(list(range(400))), 0)
-        for _ in range(others):
-            r.balancer.take(decode)
-        route = r.route({"prompt": list(range(700))}, False, now=1)
-        thresholds.append((route.path, route.reason, route.threshold))
-    assert thresholds[0] == ("direct", "decode_idle", pytest.approx(700))  # the control: none running
-    assert [t for _, _, t in thresholds[1:]] == [pytest.approx(700 / n) for n in (2, 3, 4)]
-    assert [p for p, _, _ in thresholds[1:]] == ["direct", "disaggregated", "disaggregated"]
+    assert (r.queued[prefill], r.queued[decode]) == (0, 0)
 
 
 def test_a_cost_not_measured_yet_counts_as_none_once_the_prefill_rate_is_known():
@@ -293,7 +272,6 @@ def test_the_threshold_is_learned_from_metrics_and_the_hop():
     assert costs.threshold() == pytest.approx(0.05 / (1e-4 - 2e-5))  # 625 tokens
     assert costs.threshold(1000) == pytest.approx((0.05 + 0.1) / (1e-4 - 2e-5))  # the prefill computes 1000 more
     assert costs.threshold(-1000) == pytest.approx((0.05 - 0.1) / (1e-4 - 2e-5))  # the decode's queue is longer
-    assert costs.threshold(0, sharing=3) == pytest.approx(0.05 / (4e-4 - 2e-5))  # 3 requests held up on the decode
     learner.decode_read("d", samples(loaded=10, transfer_s=0, loads=0, transfers=0))  # a restart: no measurement
     assert costs.transfer_s_per_token == pytest.approx(20e-6)
     slow = CostLearner()

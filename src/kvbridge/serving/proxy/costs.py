@@ -6,22 +6,18 @@ per second). Served by its decode instance, that is the decode's queue (`queued_
 computed yet) and the `new` tokens it does not hold. Disaggregated, it is the prefill instance's queue
 (`queued_prefill`) and what that instance lacks of the prompt (`prefill_new`: the prompt less the prefix it likely
 holds), then the hop (`hop_s`: time to the first token beyond queues, compute and transfer, over the direct path's)
-and the transfer of the `new` tokens (`transfer_s_per_token` each). Computed on the decode instance, the `new`
-tokens also hold up the `sharing` requests running there (their next tokens, or their first): each step that
-computes a chunk of the prompt is a step all of them wait for, about `new / rate` each in all. A prefill instance's
-legs end at their first token, so a prompt computed there holds up only those queued behind it, which their own
-decisions count. So a request goes straight to the decode instance when
+and the transfer of the `new` tokens (`transfer_s_per_token` each). So a request goes straight to the decode
+instance when
 
-    (queued_decode + new) / rate + sharing * new / rate
-        <  (queued_prefill + prefill_new) / rate + hop_s + new * transfer_s_per_token
+    (queued_decode + new) / rate  <  (queued_prefill + prefill_new) / rate + hop_s + new * transfer_s_per_token
 
 that is, when `new` is below
 
-    threshold = (hop_s + ahead / rate) / ((1 + sharing) / rate - transfer_s_per_token),
+    threshold = (hop_s + ahead / rate) / (1 / rate - transfer_s_per_token),
     ahead = queued_prefill + prefill_new - queued_decode
 
-(no limit when the transfer is not cheaper than computing): each request goes where it costs the least time to
-itself and to the requests it would share an instance with, and the two queues balance.
+(no limit when the transfer is not cheaper than computing): each request goes where its first token comes first,
+and the two queues balance.
 
 Where the numbers come from:
 - prefill_tokens_per_s: the prefill instances' own /metrics, tokens computed
@@ -69,15 +65,15 @@ class Costs:
     transfer_s_per_token: float | None = None
     hop_s: float | None = None
 
-    def threshold(self, ahead: int = 0, sharing: int = 0) -> float | None:
+    def threshold(self, ahead: int = 0) -> float | None:
         """New tokens below which the decode instance computes a request itself, when the prefill instance would
         compute `ahead` tokens more than the decode before this request's first token (its queue and what it lacks
-        of the prompt, less the decode's queue; may be negative) and `sharing` other requests run on the decode
-        instance. inf: always; None: the prefill throughput is not known yet."""
+        of the prompt, less the decode's queue; may be negative). inf: always; None: the prefill throughput is not
+        known yet."""
         rate = self.prefill_tokens_per_s
         if not rate:
             return None
-        saved_per_token = (1 + max(0, sharing)) / rate - (self.transfer_s_per_token or 0.0)
+        saved_per_token = 1 / rate - (self.transfer_s_per_token or 0.0)
         if saved_per_token <= 0:
             return float("inf")
         return ((self.hop_s or 0.0) + ahead / rate) / saved_per_token

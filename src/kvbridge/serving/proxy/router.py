@@ -13,8 +13,7 @@ Picking an instance of a kind (`routing`):
 Deciding the path (`disaggregation`): `always` sends every sub-request through a prefill instance; `selective`
 estimates the tokens the chosen decode instance would compute itself (the prompt less the prefix it likely holds)
 and sends the request straight to it when that is below the threshold (`direct_below_tokens`, or learned:
-costs.py, which weighs what the prefill instance the request would go to lacks of the prompt, and the requests
-running on the decode instance that computing the prompt there would hold up). With the learned
+costs.py, which weighs what the prefill instance the request would go to lacks of the prompt). With the learned
 threshold, a decode instance running nothing serves the request itself when the prefill instance holds no more of
 the prompt than it does (`decode_idle`): the prefill would compute as much, plus the hop and the transfer. A
 request vLLM would not read transferred KV for (prompt logprobs) goes straight to the decode instance in every mode.
@@ -86,8 +85,6 @@ class Route:
     disaggregated, else the decode instance): routed there and not computed yet."""
     work: Work | None = None
     """This request's own tokens in that instance's queue, until `Router.settle`."""
-    sharing: int = 0
-    """Requests running on the decode instance when this one was routed (`Router.sharing`)."""
 
     @property
     def computed_first(self) -> int:
@@ -107,7 +104,7 @@ class Route:
         return (
             f"path={self.path} reason={self.reason} decode={self.decode.describe()}{prefill} "
             f"prompt={self.prompt_tokens} new={self.new_tokens}{prefill_new} threshold={threshold} "
-            f"queued={self.queued} running={self.sharing} [{self.costs}]"
+            f"queued={self.queued} running={self.decode.backend.outstanding - 1} [{self.costs}]"
         )
 
 
@@ -119,25 +116,16 @@ class Router:
         self.indexes = {b: PrefixIndex(config.prefix_index_blocks, config.prefix_ttl_s) for b in balancer.backends()}
         self.queued = dict.fromkeys(balancer.backends(), 0)
         """Per instance, the tokens routed to it for computing whose compute has not ended (`settle`)."""
-        self.prefilling = dict.fromkeys(balancer.backends(DECODE), 0)
-        """Per decode instance, its disaggregated requests whose prefill leg has not ended (`settle`): counted in
-        its outstanding requests, not running on it yet."""
 
-    def sharing(self, decode: Backend) -> int:
-        """Requests running on `decode` (its outstanding ones less those still in their prefill leg): those a
-        prompt computed there would hold up."""
-        return max(0, decode.outstanding - self.prefilling.get(decode, 0))
-
-    def threshold(self, ahead: int = 0, sharing: int = 0) -> float | None:
+    def threshold(self, ahead: int = 0) -> float | None:
         """The current threshold when the prefill instance would compute `ahead` tokens more than the decode
-        instance before the request's first token and `sharing` other requests run on the decode instance
-        (costs.py; None: `always`)."""
+        instance before the request's first token (costs.py; None: `always`)."""
         cfg = self.config
         if cfg.disaggregation == "always":
             return None
         if cfg.direct_below_tokens is not None:
             return float(cfg.direct_below_tokens)
-        learned = self.learner.costs.threshold(ahead, sharing)
+        learned = self.learner.costs.threshold(ahead)
         return float(cfg.direct_initial_tokens) if learned is None else learned
 
     def route(self, body: Mapping[str, Any], chat: bool, now: float, force_direct: bool = False) -> Route:
@@ -149,7 +137,6 @@ class Router:
         decode = self._pick(DECODE, blocks, now)
         new = blocks.tokens - decode.held_tokens
         queued_decode = self.queued[decode.backend]
-        sharing = self.sharing(decode.backend)
         prefill: Pick | None = None
         threshold = prefill_new = None
         if force_direct:
@@ -163,7 +150,7 @@ class Router:
                 prefill = None  # no prefill instance up: only a direct decision can be served
             prefill_new = blocks.tokens - (prefill.held_tokens if prefill is not None else 0)
             queued_prefill = self.queued[prefill.backend] if prefill is not None else 0
-            threshold = self.threshold(queued_prefill + prefill_new - queued_decode, sharing)
+            threshold = self.threshold(queued_prefill + prefill_new - queued_decode)
             learned = cfg.direct_below_tokens is None
             if learned and queued_decode == 0 and decode.backend.outstanding == 0 and new <= prefill_new:
                 reason = "decode_idle"
@@ -181,13 +168,12 @@ class Router:
             self.balancer.take(prefill.backend)
             self.indexes[prefill.backend].add(blocks.keys, now)
             work = Work(prefill.backend, blocks.tokens - prefill.held_tokens)
-            self.prefilling[decode.backend] += 1
         else:
             work = Work(decode.backend, new)
         queued = self.queued[work.backend]
         self.queued[work.backend] += work.tokens
         costs = self.learner.costs.describe()
-        return Route(decode, prefill, blocks.tokens, new, threshold, prefill_new, reason, costs, queued, work, sharing)
+        return Route(decode, prefill, blocks.tokens, new, threshold, prefill_new, reason, costs, queued, work)
 
     def settle(self, route: Route) -> None:
         """The compute `route` queued has ended (its prefill leg returned, its first token came, or it failed):
@@ -196,8 +182,6 @@ class Router:
         if work is not None and work.open:
             work.open = False
             self.queued[work.backend] -= work.tokens
-            if route.prefill is not None:
-                self.prefilling[route.decode.backend] -= 1
 
     def _pick(self, kind: str, blocks: PromptBlocks, now: float) -> Pick:
         least = self.balancer.pick(kind)  # NoBackendError when none is up
