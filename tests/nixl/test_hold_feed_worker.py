@@ -65,7 +65,7 @@ def test_a_claim_is_granted_before_any_step_brings_the_hold(feed):
         _, params = finished(scheduler)
         answer, seconds = ask(worker, claim_of(params, wait_s=0.5))
         if feed:
-            assert answer == wire.Ack(request_id="p1", epoch=worker.epoch) and seconds < 0.45
+            assert answer == wire.Ack(request_id="p1", epoch=worker.epoch)  # held: the control is refused
         else:
             assert isinstance(answer, wire.ErrorReply) and answer.reason == wire.Refusal.NOT_HELD
             assert seconds >= 0.45
@@ -141,3 +141,31 @@ def test_the_metadatas_copy_of_a_fed_hold_is_dropped_whatever_was_freed_since():
         reader.close()
         worker.close()
         scheduler.close()
+
+
+def test_the_feeds_copy_after_the_metadatas_is_dropped_whatever_was_freed_since():
+    """The other order: the metadata's copy came first (the feed's was late), the request was read and freed, and
+    then left the list of lately freed requests; the feed's copy, within its age, is still dropped (with the lately
+    freed list alone it would be held again). And a feed copy older than its age is dropped."""
+    worker = prefill_worker(GEOMETRY)
+    try:
+        worker._leases.max_freed = 1
+        hold = ("p1", ((7, 8),), "tok", "h", time.monotonic())
+        worker.hold(*hold)  # the metadata's copy
+        for request_id, token in (("p1", "tok"), ("q1", "tok-q")):
+            if request_id == "q1":
+                worker.hold("q1", ((9,),), "tok-q", "h", time.monotonic())
+            abort = wire.Abort(request_id=request_id, engine_id="d", worker=wire.Worker(), token=token)
+            assert isinstance(ask(worker, abort)[0], wire.Ack)
+        deadline = time.monotonic() + 3
+        gone: set = set()
+        while not {"p1", "q1"} <= gone and time.monotonic() < deadline:
+            gone |= worker.finished()[0]
+            time.sleep(0.01)
+        assert gone >= {"p1", "q1"} and not worker._leases.freed("p1", "tok")  # evicted from the lately freed
+        worker.hold(*hold, fed=True)
+        assert not worker._leases.holds("p1")
+        worker.hold("r1", ((5,),), "tok-r", "h", time.monotonic() - 5, fed=True)  # the control: too old
+        assert not worker._leases.holds("r1")
+    finally:
+        worker.close()

@@ -103,6 +103,7 @@ class PrefillWorker:
         self._expired_new = 0
         self._waiting = WaitingClaims(config.max_waiting_claims)  # claims waiting for their holds (under _lock)
         self._fed: OrderedDict[str, str] = OrderedDict()  # the feed's holds not yet in the metadata (under _lock)
+        self._unfed: OrderedDict[str, tuple[str, float]] = OrderedDict()  # the metadata's first, for the feed's copy
         self._times = HoldTimeline()  # held requests' timelines (under _lock)
         self._progress_lock = threading.Lock()  # NIXL agents are not thread-safe: one caller at a time
         self._backoff = Backoff(first_s=100e-6, cap_s=5e-3)
@@ -205,20 +206,29 @@ class PrefillWorker:
 
         Every hold comes with the step metadata; `fed`: this is the hold feed's copy (`wire.hold_feed`), which
         usually comes first. The second copy changes nothing, also once the request was read and freed: the
-        metadata's copy of a fed hold is dropped by its id, and a fed copy that comes second is dropped while the
-        request is held or lately freed (`LeaseBook.knows`), or once older than FED_NOTE_MAX_AGE_S."""
+        metadata's copy of a fed hold is dropped by its id; a fed copy is dropped once older than
+        FED_NOTE_MAX_AGE_S (by time.monotonic, the scheduler's clock for `finished_at`, whatever `clock` is), and
+        otherwise when the metadata's copy came first (remembered that long) or the request is held here."""
         now = self.clock()
         with self._lock:
+            mono = time.monotonic()
+            while self._unfed and (
+                next(iter(self._unfed.values()))[1] < mono - FED_NOTE_MAX_AGE_S or len(self._unfed) > MAX_FED
+            ):
+                self._unfed.popitem(last=False)
             if fed:
-                if finished_at is not None and time.monotonic() - finished_at > FED_NOTE_MAX_AGE_S:
+                if finished_at is not None and mono - finished_at > FED_NOTE_MAX_AGE_S:
                     return
-                if self._leases.knows(request_id, token):
+                unfed = self._unfed.get(request_id)
+                if (unfed is not None and unfed[0] == token) or self._leases.knows(request_id, token):
                     return
                 self._fed[request_id] = token
                 while len(self._fed) > MAX_FED:
                     self._fed.popitem(last=False)
-            elif self._fed.pop(request_id, None) == token or self._leases.knows(request_id, token):
-                return
+            else:
+                if self._fed.pop(request_id, None) == token or self._leases.knows(request_id, token):
+                    return
+                self._unfed[request_id] = (token, mono)
             self._leases.hold(request_id, now, token, prompt_hash, block_ids)
             self._times.held(request_id, now if finished_at is None else finished_at, now)
             answers = [(w.answer, self._claim(w.claim, now)) for w in self._waiting.take(request_id)]

@@ -55,7 +55,11 @@ class HoldFeed:
     def __init__(self) -> None:
         self.directory = tempfile.mkdtemp(prefix="kvbridge-")  # mode 0700, a fresh name
         self.address = f"ipc://{os.path.join(self.directory, SOCKET_NAME)}"
-        self._socket = zmq_context().socket(zmq.PUB)
+        try:
+            self._socket = zmq_context().socket(zmq.PUB)
+        except zmq.ZMQError:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
         self._cleanup = weakref.finalize(self, _remove, self._socket, self.directory)
         try:
             self._socket.setsockopt(zmq.LINGER, 0)
