@@ -82,3 +82,16 @@ def test_the_ipc_path_stamps_its_checks_in_the_launch():
     phases = load.durations(reported=load.landed)
     assert phases["checks"] == pytest.approx(load.checked - load.checks_began)
     assert phases["post_launch"] == pytest.approx(load.launched - load.checked)
+
+
+def test_the_claim_wait_starts_when_the_claim_is_sent_so_it_never_exceeds_the_hop():
+    """Building the claim (digests, checks) after the handshake belongs to `handshake`: `claim` is sent -> granted,
+    within `hop` (sent -> landed). Negative control: measured from the handshake, the claim would exceed the hop."""
+    load = ipc_load(claim_sent=10.0015, claimed=10.003, started=10.0031, posted=10.0032, landed=10.0032)
+    phases = load.durations(reported=10.004)
+    assert phases["handshake"] == pytest.approx(1.5e-3)
+    assert phases["claim"] == pytest.approx(1.5e-3) and phases["hop"] == pytest.approx(1.7e-3)
+    assert phases["claim"] <= phases["hop"] < load.claimed - load.connected
+    assert sum(phases[p] for p in ("handshake", "claim", "queue", "post", "wire", "report")) == pytest.approx(
+        phases["total"]
+    )

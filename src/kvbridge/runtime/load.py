@@ -114,9 +114,10 @@ class Load:
         return ", ".join(out)
 
     def marks(self) -> list[tuple[str, float]]:
-        """The end of each phase, in order (a load without a claim has none: its claim phase is empty). A CUDA IPC
-        load launched during its claim: handshake, queue, post, wire (its kernels), then `claim`: what its claim
-        took beyond its kernels (0 when the claim was answered first)."""
+        """The end of each phase, in order (a load without a claim has none: its claim phase is empty; with one,
+        `handshake` ends once the claim is sent, so that `claim` is its wait alone and never more than `hop`). A
+        CUDA IPC load launched during its claim: handshake, queue, post, wire (its kernels), then `claim`: what its
+        claim took beyond its kernels (0 when the claim was answered first)."""
         if self.launched_in_claim:
             return [
                 ("handshake", self.connected),
@@ -127,7 +128,7 @@ class Load:
             ]
         claimed = self.claimed or (self.connected if not self.claim_sent else 0.0)
         return [
-            ("handshake", self.connected),
+            ("handshake", self.claim_sent or self.connected),  # with the claim built: `claim` is its wait only
             ("claim", claimed),
             ("queue", self.started),
             ("post", self.posted),

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PHASES = ("handshake", "claim", "queue", "post", "wire", "report", "hop", "total")
-"""A load's timeline in `TransferStats.phases` (`Load.durations`): queued -> handshake done -> claim granted ->
-taken by its path (queue) -> READs posted or kernels queued (post: the host's work) -> data landed (wire) ->
-reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported. A CUDA IPC load also has
-`checks` (its block ids checked, in its post) and `post_launch` (the post after the checks: events, id upload,
-kernel launches); one launched while its claim was on the wire has `claim` last: what the claim took beyond its
-kernels (`Load.marks`)."""
+"""A load's timeline in `TransferStats.phases` (`Load.durations`): queued -> handshake done and claim sent ->
+claim granted -> taken by its path (queue) -> READs posted or kernels queued (post: the host's work) -> data
+landed (wire) -> reported to vLLM; `hop` is claim sent -> data landed, `total` queued -> reported. A CUDA IPC
+load also has `checks` (its block ids checked, in its post) and `post_launch` (the post after the checks: events,
+id upload, kernel launches); one launched while its claim was on the wire has `claim` last: what the claim took
+beyond its kernels (`Load.marks`)."""
 
 
 @dataclass

@@ -168,10 +168,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         )
         self._phases = self._histogram_cls(
             name="vllm:kvbridge_load_phase_seconds",
-            documentation="A decode load's timeline, per phase: handshake (queued -> handshake done), claim (-> "
-            "granted), queue (-> taken by its path), post (-> READs posted or kernels queued: the host's work; with "
-            "CMA the copy itself), wire (-> data landed), report (-> handed to vLLM); hop (claim sent -> data "
-            "landed), total (queued -> handed to vLLM); a CUDA IPC load also checks (its block ids checked, "
+            documentation="A decode load's timeline, per phase: handshake (queued -> handshake done, claim sent), "
+            "claim (-> granted), queue (-> taken by its path), post (-> READs posted or kernels queued: the host's "
+            "work; with CMA the copy itself), wire (-> data landed), report (-> handed to vLLM); hop (claim sent -> "
+            "data landed), total (queued -> handed to vLLM); a CUDA IPC load also checks (its block ids checked, "
             "in its post) and post_launch (the post after the checks); a CUDA IPC load launched while its claim "
             "was on the wire counts as claim only what the claim took beyond its kernels.",
             buckets=BUCKETS,
