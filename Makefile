@@ -3,9 +3,10 @@
 #   make test   lint, unit and property tests, real NIXL between processes (each check on its headline layout
 #               pairs), and one end-to-end smoke through real vLLM servers
 #   make e2e    every end-to-end module (real vLLM servers, shared within the run where their configurations
-#               agree) but the long ones, and the other layout pairs of the NIXL checks (marker `matrix`)
-#   make e2e-long  the long end-to-end runs (marker `long`): the fault soak, 500 requests under load, PP=4 <-> TP=4,
-#               a link cut while a READ is in flight, MLA against vLLM's NixlConnector
+#               agree; the fault soak and PP=4 <-> TP=4 included), and the other layout pairs of the NIXL checks
+#               (marker `matrix`)
+#   make e2e-long  the runs marked `long`: 500 requests under load, a link cut while a READ is in flight, MLA
+#               against vLLM's NixlConnector
 # .ci/run runs `make test` then `make e2e`; `make e2e-long` is run by hand (CONTRIBUTING.md).
 
 PYTHON ?= python3

@@ -14,7 +14,7 @@ import pytest
 from kvbridge.serving.launcher import complete, metrics
 from support.e2e_support import SOURCE, Place, delta, disaggregated, prompts, seed_of
 
-pytestmark = [pytest.mark.vllm, pytest.mark.long]
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")

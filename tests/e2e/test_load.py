@@ -1,4 +1,5 @@
-"""Load through the proxy: 500 requests at concurrency 32 against a prefill PP=2 / decode PP=1 pair.
+"""Load through the proxy against a prefill PP=2 / decode PP=1 pair: 64 requests at concurrency 16 in `make e2e`,
+500 at concurrency 32 in `make e2e-long` (the same test, sized by its parameter).
 
 Every prompt is distinct (no two share a first block), so the decode server's prefix cache cannot stand in for
 the transfer: its `prompt_tokens_by_source{source="external_kv_transfer"}` must grow by every prompt token, and
@@ -30,9 +31,12 @@ from kvbridge.serving.launcher import (
     running,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.long]
+pytestmark = pytest.mark.vllm
 
-REQUESTS, CONCURRENCY = 500, 32
+SIZES = [
+    pytest.param(64, 16, id="64-at-16"),
+    pytest.param(500, 32, id="500-at-32", marks=pytest.mark.long),
+]
 SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
@@ -54,7 +58,8 @@ def prompt_tokens(url: str) -> tuple[float, float]:
     return metric_sum(m, SOURCE, source="external_kv_transfer"), metric_sum(m, SOURCE, source="local_compute")
 
 
-def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path, tiny_model):
+@pytest.mark.parametrize(("requests", "concurrency"), SIZES)
+def test_requests_at_concurrency_through_the_proxy(tmp_path, tiny_model, requests, concurrency):
     model = tiny_model
     prefill = VllmServer(
         model,
@@ -75,7 +80,7 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path, tiny_model):
     )
     proxy = None
     proxy_log = open(tmp_path / "proxy.log", "wb")  # noqa: SIM115 - closed below, also on failure
-    with running((prefill, decode)), ThreadPoolExecutor(CONCURRENCY) as pool, proxy_log:
+    with running((prefill, decode)), ThreadPoolExecutor(concurrency) as pool, proxy_log:
         port = free_port()
         proxy = subprocess.Popen(
             [
@@ -104,10 +109,10 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path, tiny_model):
                     assert time.monotonic() < deadline and proxy.poll() is None, "the proxy did not start"
                     time.sleep(0.2)
             rng = random.Random(5)
-            prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(20, 400))] for _ in range(REQUESTS)]
-            assert len({tuple(p[:16]) for p in prompts}) == REQUESTS, "prompts must not share a prefix"
+            prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(20, 400))] for _ in range(requests)]
+            assert len({tuple(p[:16]) for p in prompts}) == requests, "prompts must not share a prefix"
             t0 = time.monotonic()
-            chunks = [prompts[i : i + 25] for i in range(0, REQUESTS, 25)]
+            chunks = [prompts[i : i + 25] for i in range(0, requests, 25)]
             references = [r for chunk in pool.map(lambda c: aggregated(prefill.url, c), chunks) for r in chunk]
             print(f"\naggregated references in {time.monotonic() - t0:.1f} s")
             base_p, base_d = prefill.kv_usage(), decode.kv_usage()
@@ -116,13 +121,13 @@ def test_500_requests_at_concurrency_32_through_the_proxy(tmp_path, tiny_model):
             answers = list(pool.map(lambda p: complete(url, p, 8, timeout=300)["choices"][0]["token_ids"], prompts))
             elapsed = time.monotonic() - t0
             wrong = sum(a != r for a, r in zip(answers, references, strict=True))
-            assert wrong == 0, f"{wrong} of {REQUESTS} answers differ from the aggregated run"
+            assert wrong == 0, f"{wrong} of {requests} answers differ from the aggregated run"
             want = sum(len(p) for p in prompts)
             deadline = time.monotonic() + 10  # vLLM publishes these with its periodic stats
             while (now := prompt_tokens(decode.url))[0] - loaded0 < want and time.monotonic() < deadline:
                 time.sleep(0.2)
             loaded, computed = now[0] - loaded0, now[1] - computed0
-            print(f"{REQUESTS} requests at concurrency {CONCURRENCY} in {elapsed:.1f} s, {loaded:.0f} tokens loaded")
+            print(f"{requests} requests at concurrency {concurrency} in {elapsed:.1f} s, {loaded:.0f} tokens loaded")
             assert loaded == want, f"the decode server loaded {loaded:.0f} of {want} prompt tokens through kvbridge"
             assert computed == 0, f"the decode server computed {computed:.0f} prompt tokens itself"
             ok = False

@@ -56,7 +56,7 @@ from kvbridge.wire.params import parse_prefill_done
 from support.hosts import Host, connector_on, network_hosts, server_on, slowed, when_sent
 from support.proxy import proxy_process
 
-pytestmark = [pytest.mark.vllm, pytest.mark.long]
+pytestmark = pytest.mark.vllm
 
 KEY = b"soak-deployment-key-0123456789abcdef"
 LEASE_S = 6.0
