@@ -95,3 +95,18 @@ def test_the_claim_wait_starts_when_the_claim_is_sent_so_it_never_exceeds_the_ho
     assert sum(phases[p] for p in ("handshake", "claim", "queue", "post", "wire", "report")) == pytest.approx(
         phases["total"]
     )
+
+
+def test_a_load_launched_during_its_claim_also_counts_the_claims_building_in_the_handshake():
+    load = ipc_load(
+        launched_in_claim=True,
+        claim_sent=10.0015,
+        started=10.0016,
+        posted=10.002,
+        kernels_landed=10.004,
+        claimed=10.0039,
+        landed=10.004,
+    )
+    phases = load.durations(reported=10.005)
+    assert phases["handshake"] == pytest.approx(1.5e-3) and phases["queue"] == pytest.approx(0.1e-3)
+    assert phases["claim"] == 0.0 and phases["hop"] == pytest.approx(2.5e-3)

@@ -115,12 +115,12 @@ class Load:
 
     def marks(self) -> list[tuple[str, float]]:
         """The end of each phase, in order (a load without a claim has none: its claim phase is empty; with one,
-        `handshake` ends once the claim is sent, so that `claim` is its wait alone and never more than `hop`). A
-        CUDA IPC load launched during its claim: handshake, queue, post, wire (its kernels), then `claim`: what its
-        claim took beyond its kernels (0 when the claim was answered first)."""
+        `handshake` ends once the claim is sent, on every path, so that `claim` never holds the claim's building
+        and is never more than `hop`). A CUDA IPC load launched during its claim: handshake, queue, post, wire (its
+        kernels), then `claim`: what its claim took beyond its kernels (0 when the claim was answered first)."""
         if self.launched_in_claim:
             return [
-                ("handshake", self.connected),
+                ("handshake", self.claim_sent or self.connected),
                 ("queue", self.started),
                 ("post", self.posted),
                 ("wire", self.kernels_landed),
