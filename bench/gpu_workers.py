@@ -164,8 +164,9 @@ def summary(r: dict, copies: dict[int, float]) -> str:
     gpu = statistics.median(gpus) if gpus else float("nan")
     r.update(ok=ok, warm_median_s=med, post_median_s=post, gpu_median_s=gpu, copy_s=copy)
     # Each warm load's timeline (transfer_stats.PHASES): host posting = handshake (the hand-off to the thread that
-    # claims) + queue (claim granted -> taken by its path) + post (-> kernels queued or READs posted); claim is the
-    # side-channel round trip.
+    # claims, and the claim built and sent) + queue (-> taken by its path: claim granted first, except on the CUDA
+    # IPC path, whose kernels go out while the claim is on the wire) + post (-> kernels queued or READs posted);
+    # claim is the side-channel round trip (on the CUDA IPC path: what it took beyond the kernels).
     names = sorted({n for w in workers for n in w.get("phases_s", {})})
     r["phase_medians_s"] = {
         n: statistics.median(t for w in workers for t in w["phases_s"].get(n, [])[1:] or [float("nan")]) for n in names

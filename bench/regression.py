@@ -9,7 +9,8 @@ measurement alternates between the two trees, so that both see the same machine 
   keeps the prefill server computing other prompts of N tokens meanwhile (a loaded prefill instance). Per request: TTFT,
   its prefill leg, its decode leg (TTFT minus the prefill leg), and from the decode server's metrics the KV bytes
   and `vllm:kvbridge_transfer_seconds` (a commit's own meaning: claim sent -> data landed from 58b7562 on, job
-  queued -> completion before it). Runs `--runs` rounds per pair, the commits' order turning each round. Wrap in
+  queued -> completion before it) and each load phase (`handshake` holds the claim's building from 0be9247 on,
+  `claim` before it). Runs `--runs` rounds per pair, the commits' order turning each round. Wrap in
   `flock /tmp/kvbridge-vllm.lock` on a shared machine.
 - `gpu`: `bench/gpu_workers.py` of each commit's own tree (its runtime, its scenario), the same arguments, rounds
   alternating; per (pair, path, claims) the warm load, the time to posting (job -> READs posted or kernels
@@ -221,7 +222,7 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
     return {"rows": rows, **cpu_medians(rows), "prefill_hold_phase_ms_mean": hold}
 
 
-CPU_PHASES = ("claim", "queue", "post", "wire", "report", "hop")
+CPU_PHASES = ("handshake", "claim", "queue", "post", "wire", "report", "hop")
 """Load phases read from vllm:kvbridge_load_phase_seconds where the commit exports it (transfer_stats.PHASES)."""
 HOLD_PHASES = ("hold", "claim", "release")  # the prefill's: finished -> held -> claim answered -> released
 

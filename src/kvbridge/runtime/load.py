@@ -87,8 +87,8 @@ class Load:
     # IPC path) -> posted (READs posted or kernels queued; with CMA, READs of host memory copy inside the post) ->
     # landed (its data is in its blocks) -> reported (handed to vLLM). On the CUDA IPC path its block ids are
     # checked from checks_began to checked, in its post. With claims on, its kernels are launched while its claim
-    # is on the wire (`launched_in_claim`): its timeline is then queued -> started -> posted -> kernels_landed ->
-    # landed, the claim answered by `landed`.
+    # is on the wire (`launched_in_claim`): its timeline is then queued -> connected -> claim_sent -> started ->
+    # posted -> kernels_landed -> landed, the claim answered by `landed`.
     connected: float = 0.0
     claim_sent: float = 0.0
     claimed: float = 0.0
