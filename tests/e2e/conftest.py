@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.serving.tiny_model import build_tiny_model
+from support.e2e_support import write_ttft_report
 from support.server_pool import ServerPool
 
 MAX_IDLE_WORKERS_ENV = "KVBRIDGE_E2E_IDLE_WORKERS"
@@ -38,3 +39,15 @@ def idle_servers_stop_before_other_servers_start(request, server_pool):
     """A module that starts its own servers gets the cores and memory to itself: the pool's idle servers stop."""
     if not any("server_pool" in item.fixturenames for item in request.session.items if item.module is request.module):
         server_pool.release_idle()
+
+
+@pytest.fixture(scope="module")
+def ttft_log(request) -> Iterator[list[dict]]:
+    """The module's pairs' TTFT rows (`support.e2e_support.log_ttft` appends), written at the module's end with its
+    `TTFT_REPORT` (family, model, prompt lengths, ...) when KVBRIDGE_TTFT_OUT is set (`write_ttft_report`)."""
+    report = getattr(request.module, "TTFT_REPORT", None)
+    if report is None:
+        pytest.fail(f"{request.module.__name__} uses ttft_log but defines no TTFT_REPORT")
+    rows: list[dict] = []
+    yield rows
+    write_ttft_report(rows, **report)

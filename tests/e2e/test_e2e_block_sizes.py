@@ -37,7 +37,6 @@ from support.e2e_support import (
     log_ttft,
     prefill_params,
     prompts,
-    write_ttft_report,
 )
 
 pytestmark = pytest.mark.vllm
@@ -73,17 +72,13 @@ def aggregated(servers, batch):
     }
 
 
-@pytest.fixture(scope="module")
-def ttft_log():
-    rows: list[dict] = []
-    yield rows
-    write_ttft_report(
-        rows,
-        family="block-sizes",
-        model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32; small: block 32, pp=1; large: block 128, tp=2",
-        prompt_tokens=list(PROMPT_LENGTHS),
-        max_tokens=MAX_TOKENS,
-    )
+TTFT_REPORT = dict(
+    family="block-sizes",
+    model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32; small: block 32, pp=1; large: block 128, tp=2",
+    prompt_tokens=list(PROMPT_LENGTHS),
+    max_tokens=MAX_TOKENS,
+)
+"""What this module's TTFT rows are written with (`ttft_log` in tests/e2e/conftest.py)."""
 
 
 def decode(d, prompt: list[int], params: dict) -> list[int]:

@@ -35,7 +35,6 @@ from support.e2e_support import (
     layout_servers,
     log_ttft,
     prompts,
-    write_ttft_report,
 )
 
 pytestmark = pytest.mark.vllm
@@ -96,17 +95,13 @@ def aggregated(servers, batch):
     return [complete(servers["pp1a"].url, prompt, MAX_TOKENS)["choices"][0]["token_ids"] for prompt in batch]
 
 
-@pytest.fixture(scope="module")
-def ttft_log():
-    rows: list[dict] = []
-    yield rows
-    write_ttft_report(
-        rows,
-        family="fp8",
-        model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32 weights, --kv-cache-dtype fp8 (e4m3)",
-        prompt_tokens=list(PROMPT_LENGTHS),
-        max_tokens=MAX_TOKENS,
-    )
+TTFT_REPORT = dict(
+    family="fp8",
+    model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32 weights, --kv-cache-dtype fp8 (e4m3)",
+    prompt_tokens=list(PROMPT_LENGTHS),
+    max_tokens=MAX_TOKENS,
+)
+"""What this module's TTFT rows are written with (`ttft_log` in tests/e2e/conftest.py)."""
 
 
 def fp8_leg(p, d, prompt, edit=None):

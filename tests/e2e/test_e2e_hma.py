@@ -51,7 +51,6 @@ from support.e2e_support import (
     log_ttft,
     prefill_params,
     prompts,
-    write_ttft_report,
 )
 
 pytestmark = pytest.mark.vllm
@@ -112,17 +111,13 @@ def aggregated(servers, batch):
     return {name: [answer(s, x, "aggregated") for x in batch] for name, s in servers.items()}
 
 
-@pytest.fixture(scope="module")
-def ttft_log():
-    rows: list[dict] = []
-    yield rows
-    write_ttft_report(
-        rows,
-        family="hma",
-        model=f"tiny Llama, {NUM_LAYERS} layers alternating sliding (window {WINDOW}) / full, float32, block {BLOCK}",
-        prompt_tokens=list(PROMPT_LENGTHS),
-        max_tokens=MAX_TOKENS,
-    )
+TTFT_REPORT = dict(
+    family="hma",
+    model=f"tiny Llama, {NUM_LAYERS} layers alternating sliding (window {WINDOW}) / full, float32, block {BLOCK}",
+    prompt_tokens=list(PROMPT_LENGTHS),
+    max_tokens=MAX_TOKENS,
+)
+"""What this module's TTFT rows are written with (`ttft_log` in tests/e2e/conftest.py)."""
 
 
 def answer(s, prompt: list[int], salt: str) -> list[int]:

@@ -38,7 +38,7 @@ from kvbridge.serving.launcher import (
     running,
 )
 from kvbridge.testing.tiny_models import build_tiny_nemotron_h
-from support.e2e_support import prefill_params, write_ttft_report
+from support.e2e_support import prefill_params
 from support.mamba_checks import MAX_TOKENS, PROMPT_LENGTHS, check_last_token_twice, check_pair, decode
 
 pytestmark = pytest.mark.vllm
@@ -105,17 +105,13 @@ def aggregated(servers, batch):
     return out
 
 
-@pytest.fixture(scope="module")
-def ttft_log():
-    rows: list[dict] = []
-    yield rows
-    write_ttft_report(
-        rows,
-        family="mamba2",
-        model="tiny NemotronH (M*M*M*M*: 4 Mamba2 + 4 attention layers), float32, HMA on, prefix caching off",
-        prompt_tokens=list(PROMPT_LENGTHS),
-        max_tokens=MAX_TOKENS,
-    )
+TTFT_REPORT = dict(
+    family="mamba2",
+    model="tiny NemotronH (M*M*M*M*: 4 Mamba2 + 4 attention layers), float32, HMA on, prefix caching off",
+    prompt_tokens=list(PROMPT_LENGTHS),
+    max_tokens=MAX_TOKENS,
+)
+"""What this module's TTFT rows are written with (`ttft_log` in tests/e2e/conftest.py)."""
 
 
 def test_the_servers_run_a_state_group_beside_the_attention_group(servers):

@@ -24,7 +24,7 @@ import pytest
 
 from kvbridge.serving.launcher import complete, running
 from kvbridge.testing.tiny_models import build_tiny_nemotron_h
-from support.e2e_support import Place, layout_servers, prompts, write_ttft_report
+from support.e2e_support import Place, layout_servers, prompts
 from support.mamba_checks import MAX_TOKENS, PROMPT_LENGTHS, check_last_token_twice, check_pair
 
 pytestmark = pytest.mark.vllm
@@ -66,17 +66,13 @@ def aggregated(servers, batch):
     return out
 
 
-@pytest.fixture(scope="module")
-def ttft_log():
-    rows: list[dict] = []
-    yield rows
-    write_ttft_report(
-        rows,
-        family="mamba2-tp",
-        model="tiny NemotronH (M*M*M*M*: 4 Mamba2 + 4 attention layers), float32, HMA on, prefix caching off",
-        prompt_tokens=list(PROMPT_LENGTHS),
-        max_tokens=MAX_TOKENS,
-    )
+TTFT_REPORT = dict(
+    family="mamba2-tp",
+    model="tiny NemotronH (M*M*M*M*: 4 Mamba2 + 4 attention layers), float32, HMA on, prefix caching off",
+    prompt_tokens=list(PROMPT_LENGTHS),
+    max_tokens=MAX_TOKENS,
+)
+"""What this module's TTFT rows are written with (`ttft_log` in tests/e2e/conftest.py)."""
 
 
 def test_every_worker_runs_a_state_group_beside_the_attention_group(servers):

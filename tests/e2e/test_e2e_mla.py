@@ -40,7 +40,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.serving.launcher import complete, metrics, running
-from support.e2e_support import SOURCE, delta, log_ttft, prompts, write_ttft_report
+from support.e2e_support import SOURCE, delta, log_ttft, prompts
 from support.mla_checks import (
     BLOCK,
     CLASS_OF,
@@ -135,18 +135,14 @@ def reference(root, servers, runs, batch):
     return out
 
 
-@pytest.fixture(scope="module")
-def ttft_log():
-    rows: list[dict] = []
-    yield rows
-    write_ttft_report(
-        rows,
-        family="mla",
-        model=f"tiny DeepSeek-V2 (MLA), {NUM_LAYERS} dense layers, float32, block {BLOCK}",
-        prompt_tokens=list(PROMPT_LENGTHS),
-        reference="vLLM NixlConnector on the same prompts, between servers with the pair's arithmetic",
-        max_tokens=MAX_TOKENS,
-    )
+TTFT_REPORT = dict(
+    family="mla",
+    model=f"tiny DeepSeek-V2 (MLA), {NUM_LAYERS} dense layers, float32, block {BLOCK}",
+    prompt_tokens=list(PROMPT_LENGTHS),
+    reference="vLLM NixlConnector on the same prompts, between servers with the pair's arithmetic",
+    max_tokens=MAX_TOKENS,
+)
+"""What this module's TTFT rows are written with (`ttft_log` in tests/e2e/conftest.py)."""
 
 
 @pytest.mark.long  # three more servers and their handshakes: `make e2e-long`

@@ -26,7 +26,6 @@ from support.e2e_support import (
     prefill_params,
     prompts,
     seed_of,
-    write_ttft_report,
 )
 
 pytestmark = pytest.mark.vllm
@@ -41,18 +40,14 @@ def servers(server_pool, tiny_model):
         yield started
 
 
-@pytest.fixture(scope="module")
-def ttft_log():
-    rows: list[dict] = []
-    yield rows
-    write_ttft_report(
-        rows,
-        family="plain",
-        model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32, block 128",
-        prompt_tokens=[150, 300],
-        max_tokens=8,
-        staged_extra=os.environ.get("KVBRIDGE_E2E_EXTRA", ""),
-    )
+TTFT_REPORT = dict(
+    family="plain",
+    model="tiny Qwen2 (4 layers, 4 KV heads x 32), float32, block 128",
+    prompt_tokens=[150, 300],
+    max_tokens=8,
+    staged_extra=os.environ.get("KVBRIDGE_E2E_EXTRA", ""),
+)
+"""What this module's TTFT rows are written with (`ttft_log` in tests/e2e/conftest.py)."""
 
 
 PAIRS = [
