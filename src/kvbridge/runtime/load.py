@@ -118,9 +118,10 @@ class Load:
         `handshake` ends once the claim is sent, on every path, so that `claim` never holds the claim's building
         and is never more than `hop`). A CUDA IPC load launched during its claim: handshake, queue, post, wire (its
         kernels), then `claim`: what its claim took beyond its kernels (0 when the claim was answered first)."""
+        handshake = self.claim_sent or self.connected  # with the claim built and sent: `claim` is its wait only
         if self.launched_in_claim:
             return [
-                ("handshake", self.claim_sent or self.connected),
+                ("handshake", handshake),
                 ("queue", self.started),
                 ("post", self.posted),
                 ("wire", self.kernels_landed),
@@ -128,7 +129,7 @@ class Load:
             ]
         claimed = self.claimed or (self.connected if not self.claim_sent else 0.0)
         return [
-            ("handshake", self.claim_sent or self.connected),  # with the claim built: `claim` is its wait only
+            ("handshake", handshake),
             ("claim", claimed),
             ("queue", self.started),
             ("post", self.posted),
