@@ -178,10 +178,9 @@ def test_chat_streaming_is_passed_through():
         assert decode["kv_transfer_params"]["remote_engine_id"] == "p"
 
 
-@pytest.mark.parametrize(("keepalive_s", "reused"), [(0.0, False), (5.0, True)])
-def test_backend_connections_are_reused_only_when_asked(keepalive_s, reused):
-    """By default every leg has its own connection: a reused one races the backend's keep-alive timeout (a
-    stalled vLLM server reset one under load in CI: HTTP 502)."""
+@pytest.mark.parametrize(("keepalive_s", "reused"), [(0.0, False), (2.0, True)])
+def test_backend_connections_are_reused_unless_turned_off(keepalive_s, reused):
+    """Kept connections by default (2 s); 0: every leg has its own connection."""
     p, d = FakeBackend("p"), FakeBackend("d")
     with running(p, d) as (ps, ds), proxy_for([ps.url], [ds.url], backend_keepalive_s=keepalive_s) as (url, _):
         for _ in range(3):
@@ -189,6 +188,69 @@ def test_backend_connections_are_reused_only_when_asked(keepalive_s, reused):
     for fake in (p, d):
         assert len(fake.clients) == 3
         assert (len(set(fake.clients)) < 3) == reused, fake.clients
+
+
+class ClosingBackend:
+    """A raw HTTP/1.1 backend that answers the first request of each connection (JSON with kv_transfer_params,
+    kept alive) and closes the connection at the second without answering, as a backend whose keep-alive timer
+    fires as a request arrives on the connection does."""
+
+    ANSWER = json.dumps({"kv_transfer_params": {"remote_engine_id": "x"}, "choices": [{"text": "ok"}]}).encode()
+
+    def __init__(self) -> None:
+        import socketserver
+        import threading
+
+        outer = self
+        self.answered = self.closed_unanswered = 0
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                reader = self.request.makefile("rb")
+                for k in range(2):
+                    length = 0
+                    while (line := reader.readline()) not in (b"\r\n", b""):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    if not line:
+                        return
+                    reader.read(length)
+                    if k == 1:
+                        outer.closed_unanswered += 1
+                        return
+                    outer.answered += 1
+                    head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    head += f"content-length: {len(outer.ANSWER)}\r\n\r\n"
+                    self.request.sendall(head.encode() + outer.ANSWER)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_request_whose_kept_connection_closes_unanswered_is_sent_again_on_a_new_one():
+    backend_ = ClosingBackend()
+    try:
+        # the negative control: a plain kept-alive client loses its second request on the closed connection
+        with httpx.Client(trust_env=False) as plain:
+            assert plain.post(backend_.url + "/v1/completions", json=BODY).status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                plain.post(backend_.url + "/v1/completions", json=BODY)
+        closed_before = backend_.closed_unanswered
+        with proxy_for([backend_.url], [backend_.url]) as (url, proxy):
+            for _ in range(3):  # each request's decode leg goes onto its prefill leg's kept connection
+                reply = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == "ok"
+            resent = proxy.metrics.registry.get_sample_value("kvbridge_proxy_resent_on_new_connection_total")
+        assert backend_.closed_unanswered - closed_before == resent >= 1
+    finally:
+        backend_.close()
 
 
 def test_requests_are_spread_over_backends():

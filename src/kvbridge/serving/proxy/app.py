@@ -70,18 +70,25 @@ class Proxy:
 
         self.load_key()
         cfg = self.config
+        from kvbridge.serving.proxy.pool import backend_transport
+
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.decode_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(
-                max_connections=cfg.max_connections,
-                max_keepalive_connections=min(cfg.max_connections, 100) if cfg.backend_keepalive_s else 0,
-                keepalive_expiry=cfg.backend_keepalive_s or None,
-            ),
+            transport=backend_transport(cfg.max_connections, cfg.backend_keepalive_s, self._resent),
             trust_env=False,  # backends are reached directly, never through an HTTP(S)_PROXY
         )
         self._health_task = asyncio.create_task(self.health.loop(), name="kvbridge-proxy-health")
         if self.learns_costs:
             self._scrape_task = asyncio.create_task(self.scraper.loop(), name="kvbridge-proxy-costs")
+
+    def _resent(self, request: httpx.Request, exc: Exception) -> None:
+        self.metrics.resent.inc()
+        log.info(
+            "%s %s: the kept connection closed before any answer (%s); sent again on a new one",
+            request.method,
+            request.url,
+            type(exc).__name__,
+        )
 
     @property
     def learns_costs(self) -> bool:

@@ -59,12 +59,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_connections: Count = 1000
     """Connections to all backends together (httpx pool)."""
 
-    backend_keepalive_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
-    """How long a connection to a backend may idle to be reused; 0: a new connection per leg (nginx's default
-    towards upstreams). Reuse races the backend's own keep-alive timeout (uvicorn: 5 s, vLLM's
-    VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a backend whose event loop stalls past it closes a reused connection with the
-    request already in it, and the client gets a 502. Seen in CI under load on 2 cores; on loopback a new
-    connection costs well under a millisecond."""
+    backend_keepalive_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 2.0
+    """How long a connection to a backend may idle to be reused; 0: a new connection per leg. Keep it below the
+    backends' own keep-alive timeout (uvicorn's and vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE: 5 s). A request whose
+    kept connection the backend closes before any byte of an answer (its timer fired as the request came, or its
+    event loop stalled past it) is sent again once on a new connection (`kvbridge_proxy_resent_on_new_connection`):
+    it never reached the backend's app."""
 
     max_prompts_per_request: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     """Prompts in one completions request (`prompt` as a list); each is a prefill leg of its own (400 above)."""
@@ -90,7 +90,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """How long an idle client connection stays open between requests (uvicorn `timeout_keep_alive`)."""
 
     max_header_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 16 * 1024
-    """Largest request line plus headers (uvicorn `h11_max_incomplete_event_size`; larger: 400, closed)."""
+    """Largest request line plus headers, counted as the parser reads them (larger: 400, closed)."""
 
     max_client_connections: Count = 1024
     """Client connections served at once (uvicorn `limit_concurrency`; requests beyond it get 503)."""

@@ -3,14 +3,14 @@ bound on the connections one client address holds at once.
 
 uvicorn closes a connection that idles between requests (`timeout_keep_alive`) but has no deadline for a head
 that arrives slowly: any byte cancels its keep-alive timer, so a client sending one byte every few seconds holds
-a connection (a file descriptor) for ever (slowloris). This is uvicorn's h11
-protocol with one more timer, armed when a connection opens and after each response, disarmed once a request's
-head has been read, and closing the connection when it fires first. The body has its own deadline in the app
+a connection (a file descriptor) for ever (slowloris). This is uvicorn's httptools protocol (llhttp, a parser in
+C) with one more timer, armed when a connection opens and after each response, disarmed once a request's head has
+been parsed, and closing the connection when it fires first. The body has its own deadline in the app
 (`body_timeout_s`).
 
-h11's `max_incomplete_event_size` bounds only a head still incomplete in its buffer: a head that arrives whole
-in one read (up to asyncio's 256 KiB) passes whatever its size. The connection here also measures each parsed
-head and refuses one over the bound with uvicorn's 400 and a close.
+llhttp bounds no head. The connection here counts each head's bytes as the parser hands them over (request line
+and header lines), whether the head came in one read or in many, and refuses one over the bound with uvicorn's
+400 and a close.
 
 uvicorn's `limit_concurrency` counts every client together, so one address could hold all of them and shut
 everyone else out. Here a connection beyond `max_per_client` from one address is answered `429` (JSON) at once
@@ -31,6 +31,14 @@ OVER_LIMIT_LINGER_S = 1.0
 """How long a refused connection stays open, its request read and dropped, before it is closed: closing with
 unread data would reset the connection, and the client could lose the 429 on the way."""
 
+REQUEST_LINE_EXTRA = len(b"POST  HTTP/1.1\r\n")
+"""What a request line holds besides its target, counted towards the head's bytes (the method's length is
+counted as POST's)."""
+
+
+class HeadTooLarge(Exception):
+    """Raised from a parser callback: llhttp stops, and uvicorn answers 400 and closes."""
+
 
 def too_many_connections(limit: int) -> bytes:
     """The whole HTTP response a connection over the per-client limit gets."""
@@ -42,29 +50,20 @@ def too_many_connections(limit: int) -> bytes:
     return head.encode() + body
 
 
-def head_timeout_protocol(timeout_s: float, max_per_client: int = 0) -> type:
-    """uvicorn's `H11Protocol` with a head deadline of `timeout_s` and at most `max_per_client` connections per
-    client address (0: no such limit); pass as `uvicorn.Config(http=...)`. Each call has its own counts."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def bounded_protocol(timeout_s: float, max_head_bytes: int, max_per_client: int = 0) -> type:
+    """uvicorn's `HttpToolsProtocol` with a head deadline of `timeout_s`, heads of at most `max_head_bytes` and at
+    most `max_per_client` connections per client address (0: no such limit); pass as `uvicorn.Config(http=...)`.
+    Each call has its own counts."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     open_per_client: Counter[str] = Counter()
 
-    class BoundedHeadConnection(h11.Connection):
-        def next_event(self) -> Any:
-            event = super().next_event()
-            if type(event) is h11.Request and head_bytes(event) > self._max_incomplete_event_size:
-                raise h11.RemoteProtocolError("request head too large")
-            return event
-
-    class HeadTimeoutH11Protocol(H11Protocol):
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _head_timer: Any = None
         _counted: str | None = None
         _refused = False
-
-        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(config, *args, **kwargs)
-            self.conn = BoundedHeadConnection(h11.SERVER, self.conn._max_incomplete_event_size)
+        _head_bytes = 0
+        _in_request = False  # from a head's first byte to its response's end: no head deadline meanwhile
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -89,13 +88,38 @@ def head_timeout_protocol(timeout_s: float, max_per_client: int = 0) -> type:
             if self._refused:  # dropped unread; the linger timer closes the connection
                 return
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:
-                self._disarm()
+
+        # parser callbacks: count the head, stop the deadline once it is whole
+
+        def on_message_begin(self) -> None:
+            self._head_bytes = REQUEST_LINE_EXTRA
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_request = True
+            self._disarm()
+            super().on_headers_complete()
+
+        def _count(self, n: int) -> None:
+            self._head_bytes += n
+            if self._head_bytes > max_head_bytes:
+                raise HeadTooLarge(f"request head over {max_head_bytes} bytes")
 
         def on_response_complete(self) -> None:
+            pipelined = bool(self.pipeline)  # the next request's head is whole already: it starts now
             super().on_response_complete()
-            if not self.transport.is_closing() and not self._refused:
-                self._arm()
+            if not pipelined:
+                self._in_request = False
+                if not self.transport.is_closing() and not self._refused:
+                    self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -108,8 +132,7 @@ def head_timeout_protocol(timeout_s: float, max_per_client: int = 0) -> type:
 
         def _arm(self) -> None:
             self._disarm()
-            if self.conn.their_state is h11.IDLE:
-                self._head_timer = self.loop.call_later(timeout_s, self._expired)
+            self._head_timer = self.loop.call_later(timeout_s, self._expired)
 
         def _disarm(self) -> None:
             if self._head_timer is not None:
@@ -118,14 +141,8 @@ def head_timeout_protocol(timeout_s: float, max_per_client: int = 0) -> type:
 
         def _expired(self) -> None:
             self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if not self._in_request and not self.transport.is_closing():
                 log.info("closing a connection from %s: no request head within %s s", self.client, timeout_s)
                 self.transport.close()
 
-    return HeadTimeoutH11Protocol
-
-
-def head_bytes(request: Any) -> int:
-    """The size of an h11 request's head as sent: request line and header lines."""
-    line = len(request.method) + len(request.target) + len(b"HTTP/1.1") + 4
-    return line + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items())
+    return BoundedHttpToolsProtocol

@@ -33,6 +33,11 @@ class ProxyMetrics:
             ["leg", "backend", "reason"],
             registry=self.registry,
         )
+        self.resent = Counter(
+            "kvbridge_proxy_resent_on_new_connection",
+            "Requests to backends sent again on a new connection: their kept connection closed before any answer",
+            registry=self.registry,
+        )
         self.client_disconnects = Counter(
             "kvbridge_proxy_client_disconnects",
             "Clients that went away before their reply ended",

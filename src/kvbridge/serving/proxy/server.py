@@ -12,7 +12,7 @@ from kvbridge.core.errors import ConfigError
 from kvbridge.serving.proxy.app import Proxy
 from kvbridge.serving.proxy.balancer import KINDS
 from kvbridge.serving.proxy.config import ProxyConfig
-from kvbridge.serving.proxy.connections import head_timeout_protocol
+from kvbridge.serving.proxy.connections import bounded_protocol
 from kvbridge.serving.proxy.flags import add_config_arguments, config_from_namespace
 
 log = logging.getLogger("kvbridge.serving.proxy")
@@ -58,13 +58,12 @@ def uvicorn_config(proxy: Proxy, log_level: str = "info", access_log: bool = Fal
     cfg = proxy.config
     return uvicorn.Config(
         proxy.app(),
-        http=head_timeout_protocol(cfg.head_timeout_s, cfg.max_connections_per_client),
+        http=bounded_protocol(cfg.head_timeout_s, cfg.max_header_bytes, cfg.max_connections_per_client),
         log_level=log_level,
         access_log=access_log,
         lifespan="on",
         timeout_graceful_shutdown=5,
         timeout_keep_alive=cfg.keepalive_timeout_s,
-        h11_max_incomplete_event_size=cfg.max_header_bytes,
         limit_concurrency=cfg.max_client_connections,
     )
 
