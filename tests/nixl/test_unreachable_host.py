@@ -32,6 +32,7 @@ from kvbridge.core.errors import HostUnreachable, PeerGone, TransferTimeout
 from kvbridge.core.topology import WorkerRank
 from kvbridge.wire import messages as wire
 from kvbridge.wire import side_channel_client as scc
+from support import stopping
 from support.hosts import Host, network_hosts
 from support.stream_reader import Reader, Side
 
@@ -132,7 +133,7 @@ def test_a_stopped_server_on_a_host_that_is_up_is_not_taken_for_an_unreachable_o
         client = scc.SideChannelClient(timeout_s=1.0, retries=1, link_timeout_s=0.5)
         try:
             assert client.exchange_all(target, claim("before")) == [wire.ErrorReply(message="before")]
-            server.send_signal(signal.SIGSTOP)
+            stopping.stop(server.pid)
             kept, kept_s = timed(lambda: client.exchange_all(target, claim("stopped"))[0])
             fresh, fresh_s = timed(
                 lambda: scc.exchange(host.ip, PORT, claim("fresh"), timeout_s=1.0, retries=1, link_timeout_s=0.5)

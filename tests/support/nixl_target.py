@@ -9,7 +9,7 @@ import signal
 import time
 
 from kvbridge.core.memory import Region
-from support import fork_server
+from support import fork_server, stopping
 
 
 def _main(nbytes: int, fill: int, out, done) -> None:
@@ -40,7 +40,7 @@ class NixlTarget:
         return self.process.is_alive()
 
     def stop(self) -> None:
-        os.kill(self.process.pid, signal.SIGSTOP)
+        stopping.stop(self.process.pid)
 
     def resume(self) -> None:
         os.kill(self.process.pid, signal.SIGCONT)

@@ -22,7 +22,7 @@ from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.wire.params import PrefillDone
-from support import fork_server
+from support import fork_server, stopping
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=4)
 BLOCKS = 16
@@ -132,7 +132,7 @@ class PrefillProcess:
             time.sleep(0.001)  # lingering child too (it holds the process's sentinel pipe)
 
     def stop(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
+        stopping.stop(self.pid)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
