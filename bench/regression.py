@@ -119,6 +119,15 @@ def stop_busy(stop) -> None:
             thread.join(timeout=30)
 
 
+def tree_config(tree: Path, config: dict) -> dict:
+    """`config` with the connector settings the tree's kvbridge does not know left out: a commit from before
+    `keyless_exposes_kv_to_local_processes` served loopback servers without a key by default, and its config
+    refuses unknown fields."""
+    known = "".join(p.read_text() for p in (tree / "src" / "kvbridge").rglob("config.py"))
+    extra = {k: v for k, v in config["kv_connector_extra_config"].items() if k in known}
+    return {**config, "kv_connector_extra_config": extra}
+
+
 def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: float, busy=(0, 0)) -> dict:
     from kvbridge.serving.launcher import (
         VllmServer,
@@ -143,7 +152,9 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
                 pp=pp,
                 tp=tp,
                 cpu_bind="|".join([core] * (pp * tp)),
-                kv_transfer_config=kvbridge_config(kv_role, side_channel_port=free_base_port(pp * tp)),
+                kv_transfer_config=tree_config(
+                    tree, kvbridge_config(kv_role, side_channel_port=free_base_port(pp * tp))
+                ),
                 env=env,
                 name=f"{role}-{layout}",
                 log_path=workdir / f"{tree.name}-{role}-{layout}.log",
