@@ -63,7 +63,7 @@ def bounded_protocol(timeout_s: float, max_head_bytes: int, max_per_client: int 
         _counted: str | None = None
         _refused = False
         _head_bytes = 0
-        _in_request = False  # from a head's first byte to its response's end: no head deadline meanwhile
+        _in_request = False  # from a whole head to its response's end: no head deadline meanwhile
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)

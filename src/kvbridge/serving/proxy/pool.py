@@ -24,10 +24,13 @@ def backend_transport(max_connections: int, keepalive_s: float, resent: Broken) 
     """The proxy's transport to its backends: connections kept `keepalive_s` (0: a new one per request, no
     resend), at most `max_connections` open."""
     if not keepalive_s:
-        return httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
-        )
+        return new_connection_per_request(max_connections)
     return ResendOnBrokenKeptConnection(max_connections, keepalive_s, resent)
+
+
+def new_connection_per_request(max_connections: int) -> httpx.AsyncHTTPTransport:
+    """A transport that keeps no connection: each request opens its own."""
+    return httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=0))
 
 
 class ResendOnBrokenKeptConnection(httpx.AsyncBaseTransport):
@@ -41,9 +44,7 @@ class ResendOnBrokenKeptConnection(httpx.AsyncBaseTransport):
                 keepalive_expiry=keepalive_s,
             )
         )
-        self.fresh = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
-        )
+        self.fresh = new_connection_per_request(max_connections)
         self.resent = resent
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
