@@ -6,9 +6,11 @@ Two servers for the module: a prefill pp=2 (core 0) with a short lease and a dec
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -138,6 +140,35 @@ def test_decode_prefix_hit_reads_only_the_missing_blocks(pair):
             assert (moved, hit) == (len(b) - 256, 256), "the second request should read only its new blocks"
 
 
+@contextlib.contextmanager
+def occupying(url: str, seed: int) -> Iterator[threading.Event]:
+    """A streamed generation of 4,000 tokens, running once this is entered, ended when the block ends (its client
+    disconnects and vLLM aborts it): it keeps a server's only sequence slot busy. Yields an event set once the
+    generation ended on its own (the slot was free again)."""
+    body = {"prompt": prompt(seed, 20), "max_tokens": 4000, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    ended = threading.Event()
+
+    def drain(response: httpx.Response) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            for line in response.iter_lines():
+                if line.strip() == "data: [DONE]":
+                    ended.set()
+
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", url.rstrip("/") + "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        reader = threading.Thread(target=drain, args=(response,), daemon=True)
+        reader.start()
+        try:
+            assert wait_for(lambda: metric_sum(metrics(url), "vllm:num_requests_running") >= 1, 30)
+            yield ended
+        finally:
+            response.close()
+            reader.join(10)
+
+
 def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
     """A decode request aborted while it still waits to be scheduled never reads; the decode side tells the
     prefill workers so, and they free the blocks at once instead of at lease expiry."""
@@ -145,22 +176,17 @@ def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
     baseline = idle_usage(prefill)
     expired = metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total")
     p = prompt(15, 300)
-    with ThreadPoolExecutor(1) as pool:
-        # The only sequence slot is busy with a long generation, so the PD request waits unscheduled...
-        # (long enough to outlast what follows on a fast machine; running before the prefill leg, so that the
-        # lease's 4 s start only once the decode is ready to take the PD request)
-        busy = pool.submit(complete, decode.url, prompt(16, 20), 1500, None, 120, ignore_eos=True)
-        assert wait_for(lambda: metric_sum(metrics(decode.url), "vllm:num_requests_running") >= 1, 30)
-        params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
-        assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
-        assert not busy.done(), "the busy request ended before the PD request"
+    params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    assert wait_for(lambda: prefill.kv_usage() > baseline, 5)
+    # The decode's only sequence slot is taken by a long generation, so the PD request waits unscheduled...
+    with occupying(decode.url, 16) as busy_ended:
         # ...and its client gives up: vLLM aborts it before its load was ever scheduled.
         with pytest.raises(OSError):
             complete(decode.url, p, 8, kv_transfer_params=params, timeout=0.5)
+        assert not busy_ended.is_set(), "the slot came free before the abort: the PD request may have loaded"
         t0 = time.monotonic()
         assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S), "blocks held until the lease"
         freed_after = time.monotonic() - t0
-        busy.result()
     # Freed by the decode side's abort, not by the lease: no lease expired (the oracle; a timing bound alone
     # flaked on a loaded 2-core CI machine, 2.3 s for the abort to travel), and sooner than a lease lasts.
     assert metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total") == expired
