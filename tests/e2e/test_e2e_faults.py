@@ -154,10 +154,7 @@ def occupying(url: str, seed: int) -> Iterator[threading.Event]:
                 if line.strip() == "data: [DONE]":
                     ended.set()
 
-    with (
-        httpx.Client(timeout=120) as client,
-        client.stream("POST", url.rstrip("/") + "/v1/completions", json=body) as response,
-    ):
+    with httpx.stream("POST", url.rstrip("/") + "/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         reader = threading.Thread(target=drain, args=(response,), daemon=True)
         reader.start()
