@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvbridge.serving.key_files import ensure_key_file
 from kvbridge.serving.launcher import (
     RequestFailed,
     ServerError,
@@ -76,7 +77,11 @@ def kv_config(arm: str | None, role: str, workdir: Path) -> tuple[dict | None, d
             "kv_connector": "KVBridgeConnector",
             "kv_connector_module_path": "kvbridge.vllm",
             "kv_role": role,
-            "kv_connector_extra_config": {"side_channel_port": free_base_port(4)},
+            # the deployment key both sides share (kvbridge refuses to serve keyless unless told to)
+            "kv_connector_extra_config": {
+                "side_channel_port": free_base_port(4),
+                "auth_key_file": str(ensure_key_file(workdir / "kvbridge.key")[0]),
+            },
         }
         return cfg, {}
     cfg = {"kv_connector": "NixlConnector", "kv_role": role}
