@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvbridge.serving.key_files import ensure_key_file
+from kvbridge.serving.key_files import private_key_file
 from kvbridge.serving.launcher import (
     RequestFailed,
     ServerError,
@@ -68,8 +68,9 @@ def shim_env(workdir: Path) -> dict[str, str]:
     return {"PYTHONPATH": path, "KVBRIDGE_BENCH_NO_SETAFFINITY": "1"}
 
 
-def kv_config(arm: str | None, role: str, workdir: Path) -> tuple[dict | None, dict]:
-    """(kv-transfer-config, extra environment) for one server of `arm` (None: a plain server)."""
+def kv_config(arm: str | None, role: str, workdir: Path, key_file: Path | None = None) -> tuple[dict | None, dict]:
+    """(kv-transfer-config, extra environment) for one server of `arm` (None: a plain server); `key_file`: the
+    deployment key kvbridge's two servers share (kvbridge refuses to serve keyless unless told to)."""
     if arm is None:
         return None, {}
     if arm == "kvbridge":
@@ -77,11 +78,7 @@ def kv_config(arm: str | None, role: str, workdir: Path) -> tuple[dict | None, d
             "kv_connector": "KVBridgeConnector",
             "kv_connector_module_path": "kvbridge.vllm",
             "kv_role": role,
-            # the deployment key both sides share (kvbridge refuses to serve keyless unless told to)
-            "kv_connector_extra_config": {
-                "side_channel_port": free_base_port(4),
-                "auth_key_file": str(ensure_key_file(workdir / "kvbridge.key")[0]),
-            },
+            "kv_connector_extra_config": {"side_channel_port": free_base_port(4), "auth_key_file": str(key_file)},
         }
         return cfg, {}
     cfg = {"kv_connector": "NixlConnector", "kv_role": role}
@@ -91,9 +88,9 @@ def kv_config(arm: str | None, role: str, workdir: Path) -> tuple[dict | None, d
     return cfg, env
 
 
-def server(model, name, layout, cores, arm, role, logdir) -> VllmServer:
+def server(model, name, layout, cores, arm, role, logdir, key_file=None) -> VllmServer:
     pp, tp = LAYOUTS[layout]
-    cfg, env = kv_config(arm, role, logdir)
+    cfg, env = kv_config(arm, role, logdir, key_file)
     tag = arm or "plain"
     return VllmServer(
         model,
@@ -130,9 +127,14 @@ def last_error(server: VllmServer) -> str:
 
 
 def run_pair(model, pair: str, arm: str, prompts, baseline: dict, logdir, timeout: float) -> dict:
+    with private_key_file() as key_file:  # one key for both servers, removed once they have stopped
+        return _run_pair(model, pair, arm, prompts, baseline, logdir, timeout, key_file)
+
+
+def _run_pair(model, pair: str, arm: str, prompts, baseline: dict, logdir, timeout: float, key_file) -> dict:
     p_layout, d_layout = pair.split("-")
-    prefill = server(model, "prefill", p_layout, "0", arm, "kv_producer", logdir)
-    decode = server(model, "decode", d_layout, "1", arm, "kv_consumer", logdir)
+    prefill = server(model, "prefill", p_layout, "0", arm, "kv_producer", logdir, key_file)
+    decode = server(model, "decode", d_layout, "1", arm, "kv_consumer", logdir, key_file)
     result: dict = {"pair": f"{p_layout}->{d_layout}", "connector": arm}
     with prefill, decode:  # entering starts them; leaving stops them, also on errors
         for s in (prefill, decode):
