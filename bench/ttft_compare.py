@@ -5,8 +5,9 @@ For each run, each layout pair and each arm it starts a prefill and a decode vLL
 prefill workers on core 0, decode workers on core 1), warms both (a plain request each and one PD request: the
 first requests compile and connect), sends the same prompts through the PD protocol (prefill leg with
 max_tokens=1, decode leg streamed) and records whether the pair works (server start, HTTP status, hang), TTFT
-(prefill leg + decode leg to first token) and whether the output equals the aggregated run. The arms' order turns
-each run, so no arm always runs first.
+(prefill leg + decode leg to first token) and whether the output equals the aggregated run. The decode leg (the
+decode request sent -> its first token: the KV's claim, transfer and the first step) is reported on its own too,
+with each arm's pooled median over NixlConnector's. The arms' order turns each run, so no arm always runs first.
 
 Arms:
 - `kvbridge`, `nixl` (vLLM's NixlConnector as it ships);
@@ -162,6 +163,8 @@ def _run_pair(model, pair: str, arm: str, prompts, baseline: dict, logdir, timeo
                     {
                         "prompt_tokens": len(prompt),
                         "ttft_s": prefill_s + decode_first,
+                        "prefill_leg_s": prefill_s,
+                        "decode_leg_s": decode_first,
                         "aggregated_ttft_s": aggregated_ttft,
                         "equal": tokens == reference,
                     }
@@ -179,6 +182,7 @@ def _run_pair(model, pair: str, arm: str, prompts, baseline: dict, logdir, timeo
         equal=sum(r["equal"] for r in rows),
         ttft_median_ms=1000 * statistics.median(ttfts),
         ttft_p90_ms=1000 * sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
+        decode_leg_median_ms=1000 * statistics.median(r["decode_leg_s"] for r in rows),
         aggregated_ttft_median_ms=1000 * statistics.median(r["aggregated_ttft_s"] for r in rows),
         rows=rows,
     )
@@ -212,14 +216,25 @@ def summarize(results: list[dict]) -> list[dict]:
             pooled = [x["ttft_s"] * 1000 for r in ok for x in r["rows"]]
             ratios = [x["ttft_s"] / x["aggregated_ttft_s"] for r in ok for x in r["rows"]]
             medians = [r["ttft_median_ms"] for r in ok]
+            legs = [x["decode_leg_s"] * 1000 for r in ok for x in r["rows"]]
             row.update(
                 run_median_ms=[round(m, 1) for m in medians],
                 run_median_spread_ms=[round(min(medians), 1), round(max(medians), 1)],
                 pooled_median_ms=round(statistics.median(pooled), 1),
                 pooled_p90_ms=round(sorted(pooled)[int(0.9 * (len(pooled) - 1))], 1),
                 median_ratio_to_aggregated=round(statistics.median(ratios), 2),
+                pooled_decode_leg_median_ms=round(statistics.median(legs), 1),
+                pooled_prefill_leg_median_ms=round(
+                    statistics.median(x["prefill_leg_s"] * 1000 for r in ok for x in r["rows"]), 1
+                ),
             )
         rows.append(row)
+    for row in rows:  # each arm's decode leg against NixlConnector's, same pair, same runs
+        nixl = next((r for r in rows if r["pair"] == row["pair"] and r["arm"] == "nixl"), None)
+        if nixl and "pooled_decode_leg_median_ms" in row and "pooled_decode_leg_median_ms" in nixl:
+            row["decode_leg_ratio_to_nixl"] = round(
+                row["pooled_decode_leg_median_ms"] / nixl["pooled_decode_leg_median_ms"], 2
+            )
     return rows
 
 
@@ -254,12 +269,19 @@ def main() -> int:
                 results.append(res)
                 print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
     summary = summarize(results)
-    print(f"\n{'pair':<10} {'arm':<14} {'ok':>5} {'run medians ms':<26} {'pooled med':>10} {'p90':>8} {'/aggr.':>7}")
+    print(
+        f"\n{'pair':<10} {'arm':<14} {'ok':>5} {'run medians ms':<26} {'pooled med':>10} {'p90':>8} {'/aggr.':>7}"
+        f" {'decode leg':>10} {'/nixl':>6}"
+    )
     for r in summary:
         meds = ", ".join(f"{m:.0f}" for m in r.get("run_median_ms", [])) or "; ".join(r["statuses"])[:26]
         med, p90 = r.get("pooled_median_ms", "-"), r.get("pooled_p90_ms", "-")
         ratio = r.get("median_ratio_to_aggregated", "-")
-        print(f"{r['pair']:<10} {r['arm']:<14} {r['runs_ok']}/{r['runs']:<3} {meds:<26} {med:>10} {p90:>8} {ratio:>7}")
+        leg, leg_ratio = r.get("pooled_decode_leg_median_ms", "-"), r.get("decode_leg_ratio_to_nixl", "-")
+        print(
+            f"{r['pair']:<10} {r['arm']:<14} {r['runs_ok']}/{r['runs']:<3} {meds:<26} {med:>10} {p90:>8} {ratio:>7}"
+            f" {leg:>10} {leg_ratio:>6}"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"ttft-compare-{time.strftime('%Y%m%d-%H%M%S')}.json"
