@@ -35,6 +35,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -204,8 +205,9 @@ def exclusive(lock: str | None):
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """Per (pair, arm): runs that worked, each run's median TTFT, their spread, the pooled median and p90, and the
-    pooled median of TTFT over the aggregated baseline's TTFT for the same prompts."""
+    """Per (pair, arm): runs that worked, each run's median TTFT, their spread, the pooled median and p90, the
+    pooled median of TTFT over the aggregated baseline's TTFT for the same prompts, the pooled medians of the
+    prefill and decode legs, and the decode leg's over NixlConnector's (each over the runs that worked for it)."""
     rows = []
     for key in sorted({(r["pair"], r["connector"]) for r in results}):
         runs = [r for r in results if (r["pair"], r["connector"]) == key]
@@ -217,25 +219,36 @@ def summarize(results: list[dict]) -> list[dict]:
             ratios = [x["ttft_s"] / x["aggregated_ttft_s"] for r in ok for x in r["rows"]]
             medians = [r["ttft_median_ms"] for r in ok]
             legs = [x["decode_leg_s"] * 1000 for r in ok for x in r["rows"]]
+            row["_decode_leg_ms"] = statistics.median(legs)
             row.update(
                 run_median_ms=[round(m, 1) for m in medians],
                 run_median_spread_ms=[round(min(medians), 1), round(max(medians), 1)],
                 pooled_median_ms=round(statistics.median(pooled), 1),
                 pooled_p90_ms=round(sorted(pooled)[int(0.9 * (len(pooled) - 1))], 1),
                 median_ratio_to_aggregated=round(statistics.median(ratios), 2),
-                pooled_decode_leg_median_ms=round(statistics.median(legs), 1),
+                pooled_decode_leg_median_ms=round(row["_decode_leg_ms"], 1),
                 pooled_prefill_leg_median_ms=round(
                     statistics.median(x["prefill_leg_s"] * 1000 for r in ok for x in r["rows"]), 1
                 ),
             )
         rows.append(row)
-    for row in rows:  # each arm's decode leg against NixlConnector's, same pair, same runs
+    for row in rows:  # each arm's decode leg against NixlConnector's, same pair (the runs that worked for each)
         nixl = next((r for r in rows if r["pair"] == row["pair"] and r["arm"] == "nixl"), None)
-        if nixl and "pooled_decode_leg_median_ms" in row and "pooled_decode_leg_median_ms" in nixl:
-            row["decode_leg_ratio_to_nixl"] = round(
-                row["pooled_decode_leg_median_ms"] / nixl["pooled_decode_leg_median_ms"], 2
-            )
+        if nixl and "_decode_leg_ms" in row and "_decode_leg_ms" in nixl:
+            row["decode_leg_ratio_to_nixl"] = round(row["_decode_leg_ms"] / nixl["_decode_leg_ms"], 2)
+    for row in rows:
+        row.pop("_decode_leg_ms", None)
     return rows
+
+
+def commit() -> str:
+    """The checkout's commit, with "+dirty" when it has uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def main() -> int:
@@ -289,6 +302,7 @@ def main() -> int:
         json.dumps(
             {
                 "command": " ".join([sys.executable, *sys.argv]),
+                "commit": commit(),
                 "machine": {"platform": platform.platform(), "nproc": os.cpu_count()},
                 "prompts": [len(p) for p in prompts],
                 "summary": summary,
