@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from kvbridge.serving.launcher import (  # noqa: E402
     VllmServer,
     complete,
+    exit_on_sigterm,
     free_base_port,
     free_port,
     kvbridge_config,
@@ -588,6 +589,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", default=",".join(PAIRS), help="comma-separated, of " + ", ".join(PAIRS))
     parser.add_argument("--cells", default=",".join(CELLS), help="comma-separated, of " + ", ".join(CELLS))

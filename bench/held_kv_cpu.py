@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from kvbridge.serving.launcher import (  # noqa: E402
     VllmServer,
     complete,
+    exit_on_sigterm,
     free_base_port,
     free_port,
     kvbridge_config,
@@ -98,6 +99,7 @@ def measure(model: Path, root: Path, name: str, src: Path, args: argparse.Namesp
 
 
 def main() -> None:
+    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", action="append", required=True, help="NAME=SRC, a kvbridge source folder")
     parser.add_argument("--runs", type=int, default=2)

@@ -47,6 +47,7 @@ import httpx
 
 from kvbridge.serving.launcher import (
     VllmServer,
+    exit_on_sigterm,
     free_base_port,
     free_port,
     kvbridge_config,
@@ -343,6 +344,7 @@ def commit() -> str:
 
 
 def main() -> int:
+    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--users", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)

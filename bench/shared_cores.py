@@ -29,6 +29,7 @@ from kvbridge.core.config import BridgeConfig
 from kvbridge.serving.launcher import (
     VllmServer,
     complete,
+    exit_on_sigterm,
     free_base_port,
     free_port,
     kvbridge_config,
@@ -129,6 +130,7 @@ def run(model: Path, root: Path, idle_wait_s: float, requests: int, background: 
 
 
 def main() -> None:
+    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--background", type=int, default=0, help="client threads keeping both servers busy")

@@ -21,7 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbridge.serving.launcher import VllmServer, complete, free_base_port, free_port, kvbridge_config, running
+from kvbridge.serving.launcher import (
+    VllmServer,
+    complete,
+    exit_on_sigterm,
+    free_base_port,
+    free_port,
+    kvbridge_config,
+    running,
+)
 from kvbridge.serving.tiny_model import build_tiny_model
 
 
@@ -63,6 +71,7 @@ def sample(pids: list[int]) -> dict[tuple[int, int], tuple[str, float, float]]:
 
 
 def main() -> None:
+    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--idle-wait", type=float, default=0.005)

@@ -24,6 +24,7 @@ from kvbridge.serving.launcher import (
     VllmServer,
     complete,
     complete_streaming,
+    exit_on_sigterm,
     free_base_port,
     free_port,
     kvbridge_config,
@@ -69,6 +70,7 @@ def pd_ttft(prefill: VllmServer, decode: VllmServer, tokens: list[int]) -> tuple
 
 
 def main() -> int:
+    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--tokens", type=int, default=300)

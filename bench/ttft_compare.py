@@ -47,6 +47,7 @@ from kvbridge.serving.launcher import (
     VllmServer,
     complete,
     complete_streaming,
+    exit_on_sigterm,
     free_base_port,
     free_port,
 )
@@ -252,6 +253,7 @@ def commit() -> str:
 
 
 def main() -> int:
+    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", default=DEFAULT_PAIRS)
     parser.add_argument("--arms", default=",".join(ARMS))

@@ -35,6 +35,7 @@ from kvbridge.serving.launcher import (
     VllmServer,
     complete,
     complete_streaming,
+    exit_on_sigterm,
     free_base_port,
     free_port,
     kvbridge_config,
@@ -270,6 +271,7 @@ def _run(args: argparse.Namespace, key_file: Path | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
     parser = argparse.ArgumentParser(prog="kvbridge demo", description=__doc__)
     add_arguments(parser)
     try:

@@ -401,20 +401,33 @@ def running(servers: Sequence[VllmServer], timeout: float = 600.0) -> Iterator[S
     from concurrent.futures import ThreadPoolExecutor
 
     failed = True
+    pool = ThreadPoolExecutor(max(1, len(servers)))
     try:
         for server in servers:
             if server.process is None:
                 server.start()
-        with ThreadPoolExecutor(max(1, len(servers))) as pool:
-            list(pool.map(lambda server: server.wait_ready(timeout), servers))
+        list(pool.map(lambda server: server.wait_ready(timeout), servers))
         yield servers
         failed = False
     finally:
+        # Interrupted while they start: stop them now, not once each is ready (its wait sees its process end).
+        pool.shutdown(wait=False, cancel_futures=True)
         stop_all(servers)
         if failed:  # the caller failed: its report (pytest shows stderr) should say what each server saw
             for server in servers:
                 if server.process is not None:
                     server.print_log_tail()
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end the calling script as an exception does (SystemExit 143 in its main thread), so that every
+    `with` that started servers stops them on the way out; by default SIGTERM ends the script at once and leaves
+    its servers running. For scripts (the demo, benches), called from their main thread."""
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def stop_all(servers: Sequence[VllmServer]) -> None:
