@@ -377,6 +377,10 @@ def main() -> int:
     if not args.head_tree:
         args.head = args.head or "HEAD"
     sys.path.insert(0, str(ROOT / "src"))
+    if args.bench == "cpu":  # vLLM servers (the device's gpu bench has no kvbridge.serving dependencies)
+        from kvbridge.serving.launcher import exit_on_sigterm
+
+        exit_on_sigterm()  # SIGTERM stops the servers and worktrees this made, as Ctrl-C does
     with trees(args) as sides:
         result = (run_cpu if args.bench == "cpu" else run_gpu)(args, sides)
         commits = {side: label for side, (label, _) in sides.items()}

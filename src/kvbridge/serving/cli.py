@@ -64,7 +64,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from kvbridge.serving import demo
+    from kvbridge.serving.launcher import exit_on_sigterm
 
+    exit_on_sigterm()  # SIGTERM stops the demo's servers, as Ctrl-C does
     try:
         return demo.run(args)
     except KeyboardInterrupt:

@@ -35,7 +35,6 @@ from kvbridge.serving.launcher import (
     VllmServer,
     complete,
     complete_streaming,
-    exit_on_sigterm,
     free_base_port,
     free_port,
     kvbridge_config,
@@ -268,14 +267,3 @@ def _run(args: argparse.Namespace, key_file: Path | None) -> int:
         )
         print(summary(rows), flush=True)
         return 0 if all(r.equal for r in rows) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    exit_on_sigterm()  # SIGTERM stops the servers this started, as Ctrl-C does
-    parser = argparse.ArgumentParser(prog="kvbridge demo", description=__doc__)
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except KeyboardInterrupt:
-        print("\ninterrupted: every server was stopped", file=sys.stderr)
-        return 130

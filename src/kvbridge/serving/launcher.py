@@ -319,6 +319,8 @@ class VllmServer:
             code = self.process.poll()
             if code is not None:
                 raise self._fail(f"process exited with code {code} before it was ready")
+            if self._stopped:  # stopped while it started (its process not reaped yet)
+                raise ServerError(f"{self.name}: stopped before it was ready")
             if self.is_healthy():
                 self.ready_after_s = time.monotonic() - self.started_at
                 log.info("%s ready after %.1f s (%s)", self.name, self.ready_after_s, self.log_path)
@@ -425,6 +427,7 @@ def exit_on_sigterm() -> None:
     its servers running. For scripts (the demo, benches), called from their main thread."""
 
     def _exit(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stopping short
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)
