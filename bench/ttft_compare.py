@@ -35,7 +35,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +51,7 @@ from kvbridge.serving.launcher import (
     free_port,
 )
 from kvbridge.serving.tiny_model import build_tiny_model
+from multiturn_trace import commit  # the checkout's commit, "+dirty" with uncommitted changes
 
 LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}
 DEFAULT_PAIRS = "pp1-pp1,tp2-pp1"
@@ -209,7 +209,7 @@ def summarize(results: list[dict]) -> list[dict]:
     """Per (pair, arm): runs that worked, each run's median TTFT, their spread, the pooled median and p90, the
     pooled median of TTFT over the aggregated baseline's TTFT for the same prompts, the pooled medians of the
     prefill and decode legs, and the decode leg's over NixlConnector's (each over the runs that worked for it)."""
-    rows = []
+    rows, leg_ms = [], {}  # leg_ms: (pair, arm) -> pooled median decode leg, unrounded
     for key in sorted({(r["pair"], r["connector"]) for r in results}):
         runs = [r for r in results if (r["pair"], r["connector"]) == key]
         ok = [r for r in runs if "rows" in r and r.get("status") == "works"]
@@ -219,37 +219,24 @@ def summarize(results: list[dict]) -> list[dict]:
             pooled = [x["ttft_s"] * 1000 for r in ok for x in r["rows"]]
             ratios = [x["ttft_s"] / x["aggregated_ttft_s"] for r in ok for x in r["rows"]]
             medians = [r["ttft_median_ms"] for r in ok]
-            legs = [x["decode_leg_s"] * 1000 for r in ok for x in r["rows"]]
-            row["_decode_leg_ms"] = statistics.median(legs)
+            leg_ms[key] = statistics.median(x["decode_leg_s"] * 1000 for r in ok for x in r["rows"])
             row.update(
                 run_median_ms=[round(m, 1) for m in medians],
                 run_median_spread_ms=[round(min(medians), 1), round(max(medians), 1)],
                 pooled_median_ms=round(statistics.median(pooled), 1),
                 pooled_p90_ms=round(sorted(pooled)[int(0.9 * (len(pooled) - 1))], 1),
                 median_ratio_to_aggregated=round(statistics.median(ratios), 2),
-                pooled_decode_leg_median_ms=round(row["_decode_leg_ms"], 1),
+                pooled_decode_leg_median_ms=round(leg_ms[key], 1),
                 pooled_prefill_leg_median_ms=round(
                     statistics.median(x["prefill_leg_s"] * 1000 for r in ok for x in r["rows"]), 1
                 ),
             )
         rows.append(row)
     for row in rows:  # each arm's decode leg against NixlConnector's, same pair (the runs that worked for each)
-        nixl = next((r for r in rows if r["pair"] == row["pair"] and r["arm"] == "nixl"), None)
-        if nixl and "_decode_leg_ms" in row and "_decode_leg_ms" in nixl:
-            row["decode_leg_ratio_to_nixl"] = round(row["_decode_leg_ms"] / nixl["_decode_leg_ms"], 2)
-    for row in rows:
-        row.pop("_decode_leg_ms", None)
+        key, nixl = (row["pair"], row["arm"]), (row["pair"], "nixl")
+        if key in leg_ms and nixl in leg_ms:
+            row["decode_leg_ratio_to_nixl"] = round(leg_ms[key] / leg_ms[nixl], 2)
     return rows
-
-
-def commit() -> str:
-    """The checkout's commit, with "+dirty" when it has uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-    )
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def main() -> int:
