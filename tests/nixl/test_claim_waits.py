@@ -19,6 +19,7 @@ from kvbridge.runtime.prefill_worker import PrefillWorker
 from kvbridge.serving.launcher import free_base_port
 from kvbridge.wire import messages as wire
 from kvbridge.wire.auth import Sealer
+from kvbridge.wire.keys import KeyRing, request_token
 from kvbridge.wire.side_channel_client import exchange
 
 pytestmark = pytest.mark.nixl
@@ -201,5 +202,28 @@ def test_a_claim_of_a_freed_request_is_refused_at_once(how):
         worker.hold("s", ((1, 2),), token="tok", prompt_hash="h")
         thread.join(5)
         assert control[0][0] == wire.Ack(request_id="s", epoch=worker.epoch)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["no-key", "sealed"])
+def test_an_abort_before_its_hold_frees_the_request_when_the_hold_comes(key):
+    """A decode gives up on a request whose hold has not reached this worker yet (the scheduler's feed was late):
+    the abort is taken, and the hold, when it comes, frees the request at once rather than at its lease. The
+    control: the same hold without the abort stays held."""
+    worker = make_prefill(key)
+    sealer = Sealer(key) if key else None
+    token = request_token(KeyRing.of(key), "p", "r", b"\0" * 8) if key else "tok"
+    try:
+        abort = wire.Abort(request_id="r", engine_id="d", worker=wire.Worker(), token=token)
+        assert isinstance(exchange("127.0.0.1", worker.port, abort, timeout_s=5, sealer=sealer, identity=P), wire.Ack)
+        worker.hold("r", ((1, 2),), token=token, prompt_hash="h")
+        worker.hold("control", ((3,),), token=token, prompt_hash="h")
+        deadline = time.monotonic() + 5
+        freed: set[str] = set()
+        while "r" not in freed and time.monotonic() < deadline:
+            freed |= worker.finished(0.05)[0]
+        assert "r" in freed and "control" not in freed
+        assert worker.lease_counts()["aborted"] == 1
     finally:
         worker.close()

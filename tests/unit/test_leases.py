@@ -49,10 +49,10 @@ def test_claims_notifications_and_aborts_need_the_token():
     assert book.claim("r", "wrong", "h", ((1,),), "d", 5, now=1.0) == "not_held"  # says nothing of the request
     assert book.claim("other", "tok", "h", ((1,),), "d", 5, now=1.0) == "not_held"
     assert not book.notified("r", "wrong", "d", "w", 1, now=1.0)
-    assert not book.abort("r", "wrong")
+    assert not book.abort("r", "wrong", 1.0)
     assert book.due(5.0) == (set(), set())
     assert book.refused_total == 4
-    assert book.abort("r", "tok")
+    assert book.abort("r", "tok", 1.0)
     assert book.due(5.0) == ({"r"}, set())
     assert book.aborted_total == 1
 
@@ -139,7 +139,7 @@ def test_freed_requests_are_remembered_until_held_again_and_bounded():
     assert not book.freed("r", "tok")  # never held: a claim of it may wait for its hold
     held(book)
     assert not book.freed("r", "tok")
-    assert book.abort("r", "tok")
+    assert book.abort("r", "tok", 1.0)
     assert book.freed("r", "tok")  # at the abort, before `due` frees it
     assert not book.freed("r", "guess")  # says nothing of the request to one without its token
     book.due(1.0)
@@ -163,5 +163,54 @@ def test_a_granted_read_goes_on_only_while_its_claim_stands():
     assert not book.still_reading("r", "tok!", "decode-a", 2.0)
     assert not book.still_reading("r", "tok", "decode-b", 2.0)
     assert not book.still_reading("r", "tok", "decode-a", 1.0 + 30 + READ_MARGIN_S)
-    assert book.abort("r", "tok")
+    assert book.abort("r", "tok", 1.0)
     assert not book.still_reading("r", "tok", "decode-a", 2.0)
+
+
+def test_an_abort_before_the_hold_frees_the_request_as_it_is_held():
+    """The decode's abort of a request it will never read can come before the prefill worker holds it (the
+    scheduler's feed was late, the metadata brings the hold a step later): kept, it frees the request at the hold
+    instead of leaving its blocks to the lease. Negative controls: another token, or an abort forgotten after
+    `early_ttl_s`, leaves the request held until its lease."""
+    book = LeaseBook(lease_s=10, early_ttl_s=1.0)
+    assert book.abort("r", "tok", 0.0)
+    held(book, now=0.1)
+    assert book.due(0.1) == ({"r"}, set())
+    assert book.aborted_total == 1 and book.freed("r", "tok")
+    assert not book.holds("r")
+
+    wrong = LeaseBook(lease_s=10)
+    assert wrong.abort("r", "guess", 0.0)  # kept: without a key any token may be the request's
+    held(wrong, now=0.1)
+    assert wrong.due(0.1) == (set(), set())
+    assert wrong.due(10.1) == (set(), {"r"})
+
+    late = LeaseBook(lease_s=10, early_ttl_s=1.0)
+    assert late.abort("r", "tok", 0.0)
+    late.due(2.0)  # forgotten
+    held(late, now=2.0)
+    assert late.due(2.0) == (set(), set())
+
+
+def test_an_abort_of_a_request_freed_already_is_taken_and_counted_once():
+    book = held(LeaseBook(lease_s=10))
+    assert book.abort("r", "tok", 1.0)
+    assert book.abort("r", "tok", 1.5)  # a repeat: nothing left to free
+    assert book.due(2.0) == ({"r"}, set())
+    assert book.abort("r", "tok", 2.5)
+    assert book.aborted_total == 1
+    assert book.due(3.0) == (set(), set())
+
+
+def test_with_a_token_check_only_key_holders_aborts_are_kept_before_the_hold():
+    def check(request_id: str, token: str) -> bool:
+        return token == f"mac-of-{request_id}"
+
+    book = LeaseBook(lease_s=10, max_early=4, token_check=check)
+    for i in range(50):
+        assert not book.abort(f"forged-{i}", "guess", 0.0)
+    assert not book.abort("r", "", 0.0)
+    assert book.abort("r", "mac-of-r", 0.0)
+    book.hold("r", 0.1, token="mac-of-r")
+    assert book.due(0.1) == ({"r"}, set())
+    assert len(book._early) == 0

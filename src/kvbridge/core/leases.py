@@ -14,8 +14,9 @@ claim of that engine's workers) do. Every claim, notification and abort must car
 prompt hash, only blocks of the request (each KV-cache group's of that group), and the digest of the request's
 block lists, per group, in the order its params published them (`groups_digest`): params whose blocks were
 reordered, repeated, replaced or moved to another group would load KV into the wrong positions, also without a
-deployment key to sign them. Notifications may arrive before the hold (without
-claims): a few are kept, briefly, and checked against the token once the hold comes. With a deployment key a
+deployment key to sign them. Notifications and aborts may arrive before the hold (without claims; the hold
+comes with the next step's metadata when the scheduler's feed is late): a few are kept, briefly, and checked
+against the token once the hold comes; an abort that matches frees the request as it is held. With a deployment key a
 request's token is a MAC of its id (`wire.keys.request_token`) that `token_check` verifies before anything is
 kept, so only key holders' notifications take room in that bounded table: a forged flood (NIXL notifications are
 not sealed) cannot fill it and make a key holder's notification be refused.
@@ -96,6 +97,11 @@ class _Entry:
 class _Early:
     seen: float
     notes: list[tuple[str, str, str, int]] = field(default_factory=list)  # (token, engine, worker, expected)
+    aborts: list[str] = field(default_factory=list)  # their tokens
+
+    @property
+    def count(self) -> int:
+        return len(self.notes) + len(self.aborts)
 
 
 def _within(held: tuple[frozenset[int], ...], blocks: Sequence[Iterable[int]]) -> bool:
@@ -141,7 +147,12 @@ class LeaseBook:
         self._entries[request_id] = entry
         self._freed.pop(request_id, None)  # held again
         early = self._early.pop(request_id, None)
-        for note_token, engine, worker, expected in early.notes if early else ():
+        if early is None:
+            return
+        if any(_same(token, t) for t in early.aborts):  # its reader gave up before the hold came: free it now
+            self._free_aborted(request_id, entry)
+            return
+        for note_token, engine, worker, expected in early.notes:
             self._note(entry, note_token, engine, worker, expected)
 
     def claim(
@@ -215,32 +226,53 @@ class LeaseBook:
         entry = self._entries.get(request_id)
         if entry is not None:
             return self._note(entry, token, engine, worker, expected)
-        if not token or (self.token_check is not None and not self.token_check(request_id, token)):
-            self.refused_total += 1  # not a key holder's: never takes room that a key holder's may need
-            return False
-        early = self._early.get(request_id)
+        early = self._early_room(request_id, token, now)
         if early is None:
-            if len(self._early) >= self.max_early:
-                self.refused_total += 1
-                return False
-            early = self._early[request_id] = _Early(now)
-        if len(early.notes) >= self.early_notes_per_request:
-            self.refused_total += 1
             return False
         early.notes.append((token, engine, worker, expected))
         return True
 
-    def abort(self, request_id: str, token: str) -> bool:
-        """The reader will not read (or finish reading): free now. False for a wrong token or unknown id."""
+    def _early_room(self, request_id: str, token: str, now: float) -> _Early | None:
+        """Where to keep a notification or abort of `request_id`, not held yet; None (counted as refused): not a
+        key holder's token, or no room (`max_early` requests, `early_notes_per_request` each)."""
+        if not token or (self.token_check is not None and not self.token_check(request_id, token)):
+            self.refused_total += 1  # not a key holder's: never takes room that a key holder's may need
+            return None
+        early = self._early.get(request_id)
+        if early is None:
+            if len(self._early) >= self.max_early:
+                self.refused_total += 1
+                return None
+            early = self._early[request_id] = _Early(now)
+        if early.count >= self.early_notes_per_request:
+            self.refused_total += 1
+            return None
+        return early
+
+    def abort(self, request_id: str, token: str, now: float) -> bool:
+        """The reader will not read (or finish reading): free now. Of a request not held yet, kept until its hold
+        comes (`early_ttl_s`); of one freed lately with this token, nothing to do. False for a wrong token, or
+        nowhere to keep it."""
         entry = self._entries.get(request_id)
-        if entry is None or not _same(entry.token, token):
+        if entry is None:
+            if self.freed(request_id, token):
+                return True
+            early = self._early_room(request_id, token, now)
+            if early is None:
+                return False
+            early.aborts.append(token)
+            return True
+        if not _same(entry.token, token):
             self.refused_total += 1
             return False
-        del self._entries[request_id]
+        self._free_aborted(request_id, entry)
+        return True
+
+    def _free_aborted(self, request_id: str, entry: _Entry) -> None:
+        self._entries.pop(request_id, None)
         self._aborted.add(request_id)
         self._remember_freed(request_id, entry.token)
         self.aborted_total += 1
-        return True
 
     def _note(self, entry: _Entry, token: str, engine: str, worker: str, expected: int) -> bool:
         if not _same(entry.token, token) or (entry.reader is not None and entry.reader != engine):

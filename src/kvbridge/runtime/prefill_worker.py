@@ -311,7 +311,7 @@ class PrefillWorker:
                 return wire.Ack(epoch=self.epoch)
             case wire.Abort():
                 with self._lock:
-                    taken = self._leases.abort(message.request_id, message.token)
+                    taken = self._leases.abort(message.request_id, message.token, now)
                     self._changed.notify_all()
                 self._wake.set()
                 return wire.Ack(request_id=message.request_id, epoch=self.epoch) if taken else _REFUSED
