@@ -264,8 +264,8 @@ class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     when full, new sealed requests are refused rather than old nonces forgotten (only key holders get this far)."""
 
     max_early_notes: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 1024
-    """Prefill side: requests whose notifications arrived before their hold that are remembered at once (an id
-    nobody holds costs an entry: a forged flood is bounded by this)."""
+    """Prefill side: requests whose notifications or aborts arrived before their hold that are remembered at once
+    (an id nobody holds costs an entry: a forged flood is bounded by this)."""
 
     early_notes_per_request: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     """Prefill side: notifications kept per such request (one per decode worker that reads it)."""
