@@ -185,13 +185,13 @@ def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
         with pytest.raises(OSError):
             complete(decode.url, p, 8, kv_transfer_params=params, timeout=0.5)
         assert not busy_ended.is_set(), "the slot came free before the abort: the PD request may have loaded"
-        assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S), "blocks held until the lease"
-    # Freed by the decode side's abort, not by the lease: every prefill worker took the abort and no lease expired.
-    # A timing bound flaked on a loaded 2-core CI machine (the metrics of a starved server came 15 s late); the
-    # abort could also come before the hold did, and was then refused (core/leases.py keeps it now).
+        assert wait_for(lambda: prefill.kv_usage() == baseline, LEASE_S + 10), "the blocks were never freed"
+    # Freed by the decode side's abort, not by the lease: every prefill worker took the abort and no lease expired
+    # (the oracle; the waits are generous, a wall-clock bound flaked on a loaded 2-core CI machine). An abort that
+    # came before its hold used to be refused, leaving the blocks to the lease; core/leases.py keeps it now.
     workers = prefill.pp * prefill.tp
     assert wait_for(
-        lambda: metric_sum(metrics(prefill.url), "vllm:kvbridge_aborted_leases_total") - aborted >= workers, 5
+        lambda: metric_sum(metrics(prefill.url), "vllm:kvbridge_aborted_leases_total") - aborted >= workers, 15
     )
     assert metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total") == expired
     assert metric_sum(metrics(decode.url), "vllm:kvbridge_transfers_total") == loads, "the aborted request loaded"

@@ -213,4 +213,25 @@ def test_with_a_token_check_only_key_holders_aborts_are_kept_before_the_hold():
     assert book.abort("r", "mac-of-r", 0.0)
     book.hold("r", 0.1, token="mac-of-r")
     assert book.due(0.1) == ({"r"}, set())
-    assert len(book._early) == 0
+    assert len(book._early) == len(book._early_aborts) == 0
+
+
+def test_early_aborts_are_kept_once_apart_from_notifications_and_from_their_latest():
+    """A repeated abort takes no more room; a table full of early aborts refuses no early notification; an abort
+    is kept early_ttl_s from the latest one, not from an earlier notification of the same id. And an abort with
+    another token of the same id (a key holder's token of an earlier run: another salt) frees nothing."""
+    book = LeaseBook(lease_s=10, max_early=2, early_notes_per_request=2, early_ttl_s=1.0)
+    for _ in range(5):
+        assert book.abort("r", "tok", 0.0)
+    assert book.abort("a", "t", 0.0) and not book.abort("b", "t", 0.0)  # the abort table is full (2)
+    assert book.notified("n", "tok", "d", "w", 1, now=0.0)  # notifications have their own room
+    assert book.notified("r", "tok", "d", "w", 1, now=0.0)
+    assert book.abort("r", "tok", 0.9)  # refreshed
+    book.due(1.5)  # the notifications and "a" are forgotten; "r"'s abort is 0.6 s old
+    held(book, now=1.5)
+    assert book.due(1.5) == ({"r"}, set())
+
+    other = LeaseBook(lease_s=10)
+    assert other.abort("r", "token-of-an-earlier-run", 0.0)
+    held(other, now=0.1)
+    assert other.due(0.1) == (set(), set())

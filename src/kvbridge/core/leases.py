@@ -97,7 +97,7 @@ class _Entry:
 class _Early:
     seen: float
     notes: list[tuple[str, str, str, int]] = field(default_factory=list)  # (token, engine, worker, expected)
-    aborts: list[str] = field(default_factory=list)  # their tokens
+    aborts: list[str] = field(default_factory=list)  # their tokens (in the table of early aborts)
 
     @property
     def count(self) -> int:
@@ -125,13 +125,14 @@ class LeaseBook:
     before a notification for a request not held yet is kept; None (no key): any non-empty token is kept."""
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _early: OrderedDict[str, _Early] = field(default_factory=OrderedDict)
+    _early_aborts: OrderedDict[str, _Early] = field(default_factory=OrderedDict)  # bounded as `_early`, apart
     _aborted: set[str] = field(default_factory=set)
     max_freed: int = MAX_FREED
     _freed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # the last `max_freed` freed: their tokens
     expired_total: int = 0
     completed_total: int = 0
     aborted_total: int = 0
-    refused_total: int = 0  # claims, notifications and aborts that named no held request or a wrong token
+    refused_total: int = 0  # claims, notifications and aborts refused: a wrong token, or none kept (see _early_room)
 
     def hold(
         self,
@@ -146,13 +147,12 @@ class LeaseBook:
         entry = _Entry(token, prompt_hash, held, groups_digest(blocks), now + self.lease_s)
         self._entries[request_id] = entry
         self._freed.pop(request_id, None)  # held again
+        aborts = self._early_aborts.pop(request_id, None)
         early = self._early.pop(request_id, None)
-        if early is None:
-            return
-        if any(_same(token, t) for t in early.aborts):  # its reader gave up before the hold came: free it now
+        if aborts is not None and any(_same(token, t) for t in aborts.aborts):  # its reader gave up before the hold
             self._free_aborted(request_id, entry)
             return
-        for note_token, engine, worker, expected in early.notes:
+        for note_token, engine, worker, expected in early.notes if early else ():
             self._note(entry, note_token, engine, worker, expected)
 
     def claim(
@@ -226,24 +226,25 @@ class LeaseBook:
         entry = self._entries.get(request_id)
         if entry is not None:
             return self._note(entry, token, engine, worker, expected)
-        early = self._early_room(request_id, token, now)
+        early = self._early_room(self._early, request_id, token, now)
         if early is None:
             return False
         early.notes.append((token, engine, worker, expected))
         return True
 
-    def _early_room(self, request_id: str, token: str, now: float) -> _Early | None:
-        """Where to keep a notification or abort of `request_id`, not held yet; None (counted as refused): not a
-        key holder's token, or no room (`max_early` requests, `early_notes_per_request` each)."""
+    def _early_room(self, table: OrderedDict[str, _Early], request_id: str, token: str, now: float) -> _Early | None:
+        """Where in `table` (early notifications, or early aborts: apart, so that neither crowds out the other) to
+        keep one of `request_id`, not held yet; None (counted as refused): not a key holder's token, or no room
+        (`max_early` requests, `early_notes_per_request` each)."""
         if not token or (self.token_check is not None and not self.token_check(request_id, token)):
             self.refused_total += 1  # not a key holder's: never takes room that a key holder's may need
             return None
-        early = self._early.get(request_id)
+        early = table.get(request_id)
         if early is None:
-            if len(self._early) >= self.max_early:
+            if len(table) >= self.max_early:
                 self.refused_total += 1
                 return None
-            early = self._early[request_id] = _Early(now)
+            early = table[request_id] = _Early(now)
         if early.count >= self.early_notes_per_request:
             self.refused_total += 1
             return None
@@ -257,10 +258,14 @@ class LeaseBook:
         if entry is None:
             if self.freed(request_id, token):
                 return True
-            early = self._early_room(request_id, token, now)
-            if early is None:
-                return False
-            early.aborts.append(token)
+            early = self._early_aborts.get(request_id)
+            if early is None or not any(_same(token, t) for t in early.aborts):  # a repeat is kept once
+                early = self._early_room(self._early_aborts, request_id, token, now)
+                if early is None:
+                    return False
+                early.aborts.append(token)
+            early.seen = now  # kept early_ttl_s from its latest abort
+            self._early_aborts.move_to_end(request_id)
             return True
         if not _same(entry.token, token):
             self.refused_total += 1
@@ -302,8 +307,9 @@ class LeaseBook:
                 continue
             del self._entries[request_id]
             self._remember_freed(request_id, entry.token)
-        while self._early and now - next(iter(self._early.values())).seen > self.early_ttl_s:
-            self._early.popitem(last=False)
+        for table in (self._early, self._early_aborts):
+            while table and now - next(iter(table.values())).seen > self.early_ttl_s:
+                table.popitem(last=False)
         self.completed_total += len(done)
         self.expired_total += len(expired)
         return done, expired

@@ -273,7 +273,7 @@ class PrefillWorker:
 
     def _answer(self, message: wire.Message) -> wire.Message:
         """Side-channel messages other than handshakes (runs on the side-channel thread, no NIXL calls).
-        Refusals say one word, and nothing at all of a request to a peer without its token."""
+        Refusals say one word, and (with a deployment key) nothing at all of a request to a peer without its token."""
         now = self.clock()
         match message:
             case wire.Claim():

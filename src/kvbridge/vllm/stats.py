@@ -125,7 +125,7 @@ _PROM_COUNTERS = {
     "failures": "Loads that failed (handshake, transfer or timeout) and followed kv_load_failure_policy.",
     "expired_leases": "Prefill requests whose blocks were freed because their lease expired before all readers.",
     "aborted_leases": "Prefill requests freed at once because their reader (or the proxy) aborted the read.",
-    "refused_messages": "Claims, notifications and aborts refused: no such held request, or a wrong token.",
+    "refused_messages": "Claims, notifications and aborts refused: a wrong token, or no room to keep an early one.",
     "claim_retries": "Claims answered as not held and sent again (a claim waits for its hold half its deadline).",
 }
 
