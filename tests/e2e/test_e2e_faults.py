@@ -30,9 +30,11 @@ from kvbridge.serving.launcher import (
 pytestmark = pytest.mark.vllm
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
-LEASE_S = 8.0
-"""The prefill server's lease: long enough that a decode-side abort (2.3 s to travel on a loaded 2-core machine)
-frees a request before it, short enough that the lease test waits seconds."""
+LEASE_S = 20.0
+"""The prefill server's lease. It must outlast a decode-side abort on a loaded 2-core machine: 2.3 s in transit was
+measured, and with another process spinning on one core no abort had reached the prefill 6 s after the client gave
+up (the decode server still listed the request as waiting after 4 s), so an 8 s lease expired first. Tests that
+leave a request unread wait up to this long."""
 
 
 def config(role: str, port: int, policy: str = "recompute", **extra) -> dict:
@@ -176,7 +178,7 @@ def test_request_aborted_before_its_load_frees_prefill_blocks_at_once(pair):
     loads = metric_sum(metrics(decode.url), "vllm:kvbridge_transfers_total")
     p = prompt(15, 300)
     # The decode's only sequence slot is taken by a long generation first (on a loaded machine it took 11 s to
-    # start, longer than the lease: params handed out before it expired unread), so the PD request waits
+    # start, longer than an 8 s lease: params handed out before it expired unread), so the PD request waits
     # unscheduled...
     with occupying(decode.url, 16) as busy_ended:
         params = complete(prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
@@ -282,8 +284,8 @@ def test_a_decode_server_killed_while_generating_leaves_no_prefill_blocks(pair):
         strict.kill()
         for line in lines:
             assert line != "data: [DONE]", "the generation ended before the kill"
-    # freed at the READ's notification; were it missed, the claim pins for the decode's transfer_timeout_s (25 s)
-    # + 5 s and the lease frees it after that
+    # freed at the READ's notification; were it missed, the claim pins it for the decode's transfer_timeout_s
+    # (25 s) + 5 s, and the read's deadline frees it then
     assert wait_for(lambda: prefill.kv_usage() == baseline, 45), "the prefill server leaked blocks"
 
 
