@@ -342,6 +342,8 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
     a, b = prompt(soak.rng, READ_TOKENS), prompt(soak.rng, READ_TOKENS)
     soak.reference(a)  # the aggregated answer, before the read
     expired_before = metric_sum(metrics(prefill.url), "vllm:kvbridge_expired_leases_total")
+    failed_before = metric_sum(metrics(decode.url), "vllm:kvbridge_failures_total")
+    aborted_before = metric_sum(metrics(prefill.url), "vllm:kvbridge_aborted_leases_total")
     moved_before = metric_sum(metrics(decode.url), SOURCE, source="external_kv_transfer")
     pa, pb = soak.params(a), soak.params(b)
     both_held = prefill.kv_usage()
@@ -385,6 +387,19 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
         "answered (s after the lease's end)": round(answer.get("done", lease_end) - lease_end, 2),
         "prompt tokens transferred": moved,
         "leases expired (the unread control only)": expired,
+        "loads failed": metric_sum(metrics(decode.url), "vllm:kvbridge_failures_total") - failed_before,
+        "leases aborted": metric_sum(metrics(prefill.url), "vllm:kvbridge_aborted_leases_total") - aborted_before,
+        "log lines of the read": [
+            line.strip()[:300]
+            for server in (prefill, decode)
+            for line in server.log_path.read_text(errors="replace").splitlines()
+            if pa["remote_request_id"] in line
+        ],
+        "the decode's last kvbridge warnings": [
+            line.strip()[:300]
+            for line in decode.log_path.read_text(errors="replace").splitlines()
+            if "WARNING" in line and "[kvbridge]" in line
+        ][-4:],
     }
     soak.check("read outlived its lease", a, answer.get("tokens", []))
     assert at_end is not None and 100_000 <= at_end < KV_BYTES, f"no READ in flight at the lease's end: {figures}"
@@ -392,6 +407,8 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
     assert baseline < held[0] < both_held, f"the pinned read's blocks must stay, the unread ones go: {figures}"
     assert moved == len(a), f"the read must load the KV, not recompute: {figures}"
     assert answer["done"] > lease_end and expired == 1, figures
+    for diagnostic in ("log lines of the read", "the decode's last kvbridge warnings"):  # for failures only
+        figures.pop(diagnostic)
     return figures
 
 
