@@ -56,6 +56,7 @@ from kvbridge.serving.launcher import (
     running,
 )
 from kvbridge.serving.tiny_model import build_tiny_model
+from machine_load import OtherLoad, describe
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
@@ -241,7 +242,9 @@ def turn_kind(r: Result, args: argparse.Namespace) -> str:
 
 def run_arm(name: str, url: str, turns: list[Turn], args: argparse.Namespace, servers: list[VllmServer]) -> dict:
     before = token_sources(servers)
+    load = OtherLoad.start()
     results, makespan = asyncio.run(replay(url, turns, args, salt=f"{name}-{args.seed}-{args.rate_now}"))
+    others = load.stop()
     time.sleep(1.0)  # the servers' metrics of the last requests
     after = token_sources(servers)
     ok = [r for r in results if r.ttft_s is not None]
@@ -255,6 +258,7 @@ def run_arm(name: str, url: str, turns: list[Turn], args: argparse.Namespace, se
         "itl_ms": {"mean": round(statistics.fmean(itl), 2) if itl else None, "p90": round(pct(itl, 0.9), 2)},
         "requests_per_s": round(len(results) / makespan, 3),
         "prompt_tokens": {s: round(after[s] - before[s]) for s in SOURCES},
+        "other_load": others,
         "trace": [
             {
                 "user": r.user,
@@ -276,7 +280,7 @@ def run_arm(name: str, url: str, turns: list[Turn], args: argparse.Namespace, se
     row["_outputs"] = {(r.user, r.turn): r.output for r in results}
     print(
         f"{name}: TTFT ms {row['ttft_ms']}, ITL ms {row['itl_ms']}, {row['requests_per_s']} req/s, "
-        f"tokens {row['prompt_tokens']}, {len(row['failed'])} failed",
+        f"tokens {row['prompt_tokens']}, {len(row['failed'])} failed; {describe(others)}",
         flush=True,
     )
     return row

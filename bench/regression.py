@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 
+from machine_load import OtherLoad, describe  # noqa: E402
 
 # --- the two trees ----------------------------------------------------------------------------------------------
 
@@ -192,6 +194,7 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
         complete(decode.url, warm, 2, kv_transfer_params=first["kv_transfer_params"], timeout=timeout)
         settled(before)
         busy_tokens, busy_clients = busy
+        load = OtherLoad.start()
         stop = keep_busy(prefill.url, busy_tokens, busy_clients, timeout) if busy_tokens and busy_clients else None
         try:
             for prompt in prompts:
@@ -225,12 +228,13 @@ def cpu_pair(model, pair: str, tree: Path, prompts, workdir: Path, timeout: floa
                 )
         finally:
             stop_busy(stop)
+        others = load.stop()
         # the prefill side's timeline of the requests it released (commits that export it), means over the run
         m = metrics(prefill.url)
         name = "vllm:kvbridge_hold_phase_seconds"
         counts = {p: metric_sum(m, f"{name}_count", phase=p) for p in HOLD_PHASES}
         hold = {p: 1000 * metric_sum(m, f"{name}_sum", phase=p) / n for p, n in counts.items() if n}
-    return {"rows": rows, **cpu_medians(rows), "prefill_hold_phase_ms_mean": hold}
+    return {"rows": rows, **cpu_medians(rows), "prefill_hold_phase_ms_mean": hold, "other_load": others}
 
 
 CPU_PHASES = ("handshake", "claim", "queue", "post", "wire", "report", "hop")
@@ -276,6 +280,8 @@ def run_cpu(args, sides) -> dict:
                 runs.append(res)
                 shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items() if k != "rows"}
                 print(json.dumps(shown), flush=True)
+                if "other_load" in res:
+                    print(f"  {pair} {side}: {describe(res['other_load'])}", flush=True)
     summary = {}
     for pair in args.pairs.split(","):
         both = {}
