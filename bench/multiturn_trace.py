@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -366,6 +367,12 @@ def main() -> int:
     p.add_argument("--kv-cache-gib", type=int, default=2, help="each server's KV cache")
     p.add_argument("--block-size", type=int, default=32, help="vLLM CPU attention: a multiple of 32")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="aggregated always runs: the reference")
+    p.add_argument(
+        "--kvbridge-flags",
+        default="",
+        help="more `kvbridge proxy` flags for the kvbridge arm (a variant), one string: "
+        "--kvbridge-flags '--direct-below-tokens 256', or --kvbridge-flags=--flag for a lone flag",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--model-name", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -399,7 +406,12 @@ def main() -> int:
     blocks = ["--prefix-block-tokens", str(args.block_size)]
     proxies = {
         "always-pd": [*base, "--disaggregation", "always", "--routing", "least_loaded"],
-        "kvbridge": [*base, "--disaggregation", "selective", "--routing", "cache_aware", *blocks],
+        "kvbridge": [
+            *base,
+            *("--disaggregation", "selective", "--routing", "cache_aware"),
+            *blocks,
+            *shlex.split(args.kvbridge_flags),
+        ],
         "aggregated-x2": [
             *("--prefill", prefill.url, "--decode", prefill.url, "--decode", decode.url, "--log-level", "info"),
             *("--disaggregation", "selective", "--direct-below-tokens", ALWAYS_DIRECT, "--routing", "cache_aware"),
@@ -426,7 +438,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     png = plot(runs, args.out / f"multiturn-trace-{stamp}.png")
     report = {
-        "command": "python " + " ".join(sys.argv),
+        "command": "python " + shlex.join(sys.argv),
         "host": f"{platform.machine()}, {os.cpu_count()} cores: prefill server's model on core 0, decode's on core 1 "
         "(HTTP processes, proxy and client unpinned); the aggregated arm is the decode server alone, aggregated-x2 "
         "both servers",
