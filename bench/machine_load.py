@@ -34,6 +34,17 @@ class Process:
     start: int = 0  # when it started (ticks after boot): a pid reused meanwhile is another process
 
 
+def process(stat: str) -> Process | None:
+    """One process from the text of its /proc/<pid>/stat (None: too short to read)."""
+    head, _, rest = stat.rpartition(")")  # the name may hold ")" itself: the last one ends it
+    f = rest.split()
+    if len(f) < 20:
+        return None
+    # after the name: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime
+    # cstime priority nice num_threads itrealvalue starttime
+    return Process(int(f[1]), head.partition("(")[2], int(f[11]) + int(f[12]), int(f[13]) + int(f[14]), int(f[19]))
+
+
 def processes(proc: str = "/proc") -> dict[int, Process]:
     """Every process readable under `proc`: pid -> its parent, name and CPU ticks so far."""
     out: dict[int, Process] = {}
@@ -42,17 +53,11 @@ def processes(proc: str = "/proc") -> dict[int, Process]:
             continue
         try:
             with open(f"{proc}/{entry.name}/stat", "rb") as f:
-                text = f.read().decode(errors="replace")
+                p = process(f.read().decode(errors="replace"))
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        head, _, rest = text.rpartition(")")  # the name may hold ")" itself: the last one ends it
-        f = rest.split()
-        if len(f) < 20:
-            continue
-        # after the name: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime
-        # cstime priority nice num_threads itrealvalue starttime
-        name = head.partition("(")[2]
-        out[int(entry.name)] = Process(int(f[1]), name, int(f[11]) + int(f[12]), int(f[13]) + int(f[14]), int(f[19]))
+        if p is not None:
+            out[int(entry.name)] = p
     return out
 
 

@@ -389,26 +389,27 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
         "leases expired (the unread control only)": expired,
         "loads failed": metric_sum(metrics(decode.url), "vllm:kvbridge_failures_total") - failed_before,
         "leases aborted": metric_sum(metrics(prefill.url), "vllm:kvbridge_aborted_leases_total") - aborted_before,
-        "log lines of the read": [
-            line.strip()[:300]
-            for server in (prefill, decode)
-            for line in server.log_path.read_text(errors="replace").splitlines()
-            if pa["remote_request_id"] in line
-        ],
-        "the decode's last kvbridge warnings": [
-            line.strip()[:300]
-            for line in decode.log_path.read_text(errors="replace").splitlines()
-            if "WARNING" in line and "[kvbridge]" in line
-        ][-4:],
     }
+
+    def diagnosed() -> dict:
+        """The figures and the log lines that say what became of the read: read only for a failure's message."""
+        logs = {server: server.log_path.read_text(errors="replace").splitlines() for server in (prefill, decode)}
+        return {
+            **figures,
+            "log lines of the read": [
+                line.strip()[:300] for lines in logs.values() for line in lines if pa["remote_request_id"] in line
+            ],
+            "the decode's last kvbridge warnings": [
+                line.strip()[:300] for line in logs[decode] if "WARNING" in line and "[kvbridge]" in line
+            ][-4:],
+        }
+
     soak.check("read outlived its lease", a, answer.get("tokens", []))
-    assert at_end is not None and 100_000 <= at_end < KV_BYTES, f"no READ in flight at the lease's end: {figures}"
-    assert held is not None and held[1] < KV_BYTES, f"the read ended before both leases had: {figures}"
-    assert baseline < held[0] < both_held, f"the pinned read's blocks must stay, the unread ones go: {figures}"
-    assert moved == len(a), f"the read must load the KV, not recompute: {figures}"
-    assert answer["done"] > lease_end and expired == 1, figures
-    for diagnostic in ("log lines of the read", "the decode's last kvbridge warnings"):  # for failures only
-        figures.pop(diagnostic)
+    assert at_end is not None and 100_000 <= at_end < KV_BYTES, f"no READ in flight at the lease's end: {diagnosed()}"
+    assert held is not None and held[1] < KV_BYTES, f"the read ended before both leases had: {diagnosed()}"
+    assert baseline < held[0] < both_held, f"the pinned read's blocks must stay, the unread ones go: {diagnosed()}"
+    assert moved == len(a), f"the read must load the KV, not recompute: {diagnosed()}"
+    assert answer["done"] > lease_end and expired == 1, diagnosed()
     return figures
 
 

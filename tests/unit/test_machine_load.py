@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from machine_load import TICKS_PER_S, OtherLoad, Process, descendants, describe, processes
+from machine_load import TICKS_PER_S, OtherLoad, Process, descendants, describe, process, processes
 
 MARK = "kvbridge-machine-load-spinner"
 SPIN = f"# {MARK}\nimport time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
@@ -41,9 +41,7 @@ def spin_orphan() -> int:
 
 
 def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+    return process(Path(f"/proc/{pid}/stat").read_text()).ticks / TICKS_PER_S
 
 
 def measured(start_spinner) -> tuple[int, float, dict]:
