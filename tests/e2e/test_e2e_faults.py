@@ -26,6 +26,7 @@ from kvbridge.serving.launcher import (
     metrics,
     running,
 )
+from support.e2e_support import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -75,22 +76,6 @@ def pair(tmp_path_factory, tiny_model):
     )
     with running((prefill, decode, strict)):
         yield prefill, decode, strict
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.25) -> bool:
-    """Whether `predicate` holds within `timeout` seconds. A server that does not answer one poll in time (its
-    /metrics timed out on a loaded 2-core machine while a decode generated at full speed beside it) is asked
-    again until the deadline: what is checked is the condition, not one request's latency."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return True
-        except OSError:  # TimeoutError and connection errors of one poll (serving.http_client)
-            pass
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 def idle_usage(prefill: VllmServer) -> float:

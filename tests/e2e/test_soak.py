@@ -53,6 +53,7 @@ from kvbridge.serving.launcher import (
     running,
 )
 from kvbridge.wire.params import parse_prefill_done
+from support.e2e_support import wait_for
 from support.hosts import Host, connector_on, network_hosts, server_on, slowed, when_sent
 from support.proxy import proxy_process
 
@@ -77,15 +78,6 @@ def proxy(prefill: str, decode: str, key_file: str, log_path: Path) -> contextli
 
 def prompt(rng: random.Random, n: int | None = None) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(n or rng.randrange(40, 400))]
-
-
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.25)
-    return predicate()
 
 
 class Soak:

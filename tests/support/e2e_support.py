@@ -105,6 +105,22 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(1, 1000) for _ in range(n)] for n in lengths]
 
 
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.25) -> bool:
+    """Whether `predicate` holds within `timeout` seconds. A server that does not answer one poll in time (a
+    /metrics request timed out on a loaded 2-core machine while a decode generated at full speed beside it) is
+    asked again until the deadline: what is checked is the condition, not one request's latency."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return True
+        except OSError:  # TimeoutError and connection errors of one poll (serving.http_client)
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
 def delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
