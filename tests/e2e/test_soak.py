@@ -328,7 +328,9 @@ def run_soak(model, prefill, decode, prefill_server, decode_server, url: str, dh
 def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
     """A READ claimed before the prefill's lease ends, lasting past it (the path to the decode host at 3 Mbit/s:
     about 4 s), must load the KV: the claim pins the blocks. The control: a request prefilled with it and never
-    read is freed at its lease's end, seen by the same gauge at the same moment and by the expired-lease counter."""
+    read is freed at its lease's end. Seen by the expired-lease counter (the control's lease only), and by the KV
+    usage gauge once both leases are over while the read is still going (a reading that comes back after the
+    read has landed, on a loaded machine, shows nothing and is listed, not checked)."""
     soak.faults["lease shorter than the read in flight"] += 1
     prefill, decode = soak.prefill, soak.decode
     a, b = prompt(soak.rng, READ_TOKENS), prompt(soak.rng, READ_TOKENS)
@@ -353,7 +355,7 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
         leg_at = time.time()
         read.start()
         held = None
-        late: list[tuple[float, int, float]] = []  # (usage, bytes, seconds) of readings back after the read landed
+        late: list[tuple[float | None, int, float]] = []  # (usage, bytes, seconds): back after the read landed
         while read.is_alive():
             samples.append((time.time(), dh.rx_bytes() - sent))
             if held is None and samples[-1][0] > max(pa["remote_expires"], pb["remote_expires"]) + 0.7:
@@ -361,9 +363,12 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
                 # that answer can take seconds on a loaded machine, and a read that lands meanwhile frees its
                 # blocks. So the bytes are read again after it; a reading that came back too late is not taken.
                 asked = time.monotonic()
-                usage = prefill.kv_usage()
+                try:
+                    usage: float | None = prefill.kv_usage()
+                except OSError:  # no answer in time: no reading
+                    usage = None
                 after = dh.rx_bytes() - sent
-                if after < KV_BYTES:
+                if usage is not None and after < KV_BYTES:
                     held = usage, after, round(time.monotonic() - asked, 2)
                 else:
                     late.append((usage, after, round(time.monotonic() - asked, 2)))
@@ -409,8 +414,10 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
 
     soak.check("read outlived its lease", a, answer.get("tokens", []))
     assert at_end is not None and 100_000 <= at_end < KV_BYTES, f"no READ in flight at the lease's end: {diagnosed()}"
-    assert held is not None and held[1] < KV_BYTES, f"the read ended before both leases had: {diagnosed()}"
-    assert baseline < held[0] < both_held, f"the pinned read's blocks must stay, the unread ones go: {diagnosed()}"
+    after_both = next((n for t, n in samples if t > max(pa["remote_expires"], pb["remote_expires"]) + 0.7), None)
+    assert after_both is not None and after_both < KV_BYTES, f"the read ended before both leases had: {diagnosed()}"
+    if held is not None:  # else every reading came back after the read had landed: the lease counter below decides
+        assert baseline < held[0] < both_held, f"the pinned read's blocks must stay, the unread ones go: {diagnosed()}"
     assert moved == len(a), f"the read must load the KV, not recompute: {diagnosed()}"
     assert answer["done"] > lease_end and expired == 1, diagnosed()
     return figures

@@ -108,15 +108,19 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
 def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.25) -> bool:
     """Whether `predicate` holds within `timeout` seconds. A server that does not answer one poll in time (a
     /metrics request timed out on a loaded 2-core machine while a decode generated at full speed beside it) is
-    asked again until the deadline: what is checked is the condition, not one request's latency."""
+    asked again until the deadline: what is checked is the condition, not one request's latency. If the last poll
+    failed too, its error is raised (a server that died says so rather than failing the condition)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             if predicate():
                 return True
-        except OSError:  # TimeoutError and connection errors of one poll (serving.http_client)
-            pass
+            failed = None
+        except OSError as exc:  # TimeoutError and connection errors of one poll (serving.http_client)
+            failed = exc
         if time.monotonic() >= deadline:
+            if failed is not None:
+                raise failed
             return False
         time.sleep(interval)
 
