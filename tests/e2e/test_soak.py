@@ -329,8 +329,9 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
     """A READ claimed before the prefill's lease ends, lasting past it (the path to the decode host at 3 Mbit/s:
     about 4 s), must load the KV: the claim pins the blocks. The control: a request prefilled with it and never
     read is freed at its lease's end. Seen by the expired-lease counter (the control's lease only), and by the KV
-    usage gauge once both leases are over while the read is still going (a reading that comes back after the
-    read has landed, on a loaded machine, shows nothing and is listed, not checked)."""
+    usage gauge once both leases are over while the read is still going. A gauge reading that comes back after the
+    read has landed (or not at all) on a loaded machine shows nothing and is listed, not checked; if no reading is
+    left, the read must also have ended with no lease aborted and no load failed (no other path freed it)."""
     soak.faults["lease shorter than the read in flight"] += 1
     prefill, decode = soak.prefill, soak.decode
     a, b = prompt(soak.rng, READ_TOKENS), prompt(soak.rng, READ_TOKENS)
@@ -355,7 +356,7 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
         leg_at = time.time()
         read.start()
         held = None
-        late: list[tuple[float | None, int, float]] = []  # (usage, bytes, seconds): back after the read landed
+        late: list[tuple[float | None, int, float]] = []  # (usage, bytes, seconds) of readings not taken
         while read.is_alive():
             samples.append((time.time(), dh.rx_bytes() - sent))
             if held is None and samples[-1][0] > max(pa["remote_expires"], pb["remote_expires"]) + 0.7:
@@ -391,7 +392,7 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
             baseline,
         ),
         "read bytes delivered when that reading came back, and its seconds": held and held[1:],
-        "readings back after the read had landed (usage, bytes, seconds)": late,
+        "readings not taken: back after the read landed, or none (usage, bytes, seconds)": late,
         "answered (s after the lease's end)": round(answer.get("done", lease_end) - lease_end, 2),
         "prompt tokens transferred": moved,
         "leases expired (the unread control only)": expired,
@@ -416,8 +417,10 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
     assert at_end is not None and 100_000 <= at_end < KV_BYTES, f"no READ in flight at the lease's end: {diagnosed()}"
     after_both = next((n for t, n in samples if t > max(pa["remote_expires"], pb["remote_expires"]) + 0.7), None)
     assert after_both is not None and after_both < KV_BYTES, f"the read ended before both leases had: {diagnosed()}"
-    if held is not None:  # else every reading came back after the read had landed: the lease counter below decides
+    if held is not None:
         assert baseline < held[0] < both_held, f"the pinned read's blocks must stay, the unread ones go: {diagnosed()}"
+    else:  # no reading while the read went on: no other path may have freed it (the lease counter is asserted below)
+        assert figures["leases aborted"] == 0 and figures["loads failed"] == 0, diagnosed()
     assert moved == len(a), f"the read must load the KV, not recompute: {diagnosed()}"
     assert answer["done"] > lease_end and expired == 1, diagnosed()
     return figures
