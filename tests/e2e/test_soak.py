@@ -356,10 +356,11 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
         leg_at = time.time()
         read.start()
         held = None
+        both_over = max(pa["remote_expires"], pb["remote_expires"]) + 0.7  # both leases over, their frees seen
         late: list[tuple[float | None, int, float]] = []  # (usage, bytes, seconds) of readings not taken
         while read.is_alive():
             samples.append((time.time(), dh.rx_bytes() - sent))
-            if held is None and samples[-1][0] > max(pa["remote_expires"], pb["remote_expires"]) + 0.7:
+            if held is None and samples[-1][0] > both_over:
                 # Both leases over. The gauge counts only if the read was still going when /metrics answered:
                 # that answer can take seconds on a loaded machine, and a read that lands meanwhile frees its
                 # blocks. So the bytes are read again after it; a reading that came back too late is not taken.
@@ -368,11 +369,11 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
                     usage: float | None = prefill.kv_usage()
                 except OSError:  # no answer in time: no reading
                     usage = None
-                after = dh.rx_bytes() - sent
-                if usage is not None and after < KV_BYTES:
-                    held = usage, after, round(time.monotonic() - asked, 2)
+                reading = usage, dh.rx_bytes() - sent, round(time.monotonic() - asked, 2)
+                if usage is not None and reading[1] < KV_BYTES:
+                    held = reading
                 else:
-                    late.append((usage, after, round(time.monotonic() - asked, 2)))
+                    late.append(reading)
             time.sleep(0.01)
         read.join()
     lease_end = pa["remote_expires"]
@@ -415,7 +416,7 @@ def read_outlives_lease(soak: Soak, dh: Host, baseline: float) -> dict:
 
     soak.check("read outlived its lease", a, answer.get("tokens", []))
     assert at_end is not None and 100_000 <= at_end < KV_BYTES, f"no READ in flight at the lease's end: {diagnosed()}"
-    after_both = next((n for t, n in samples if t > max(pa["remote_expires"], pb["remote_expires"]) + 0.7), None)
+    after_both = next((n for t, n in samples if t > both_over), None)
     assert after_both is not None and after_both < KV_BYTES, f"the read ended before both leases had: {diagnosed()}"
     if held is not None:
         assert baseline < held[0] < both_held, f"the pinned read's blocks must stay, the unread ones go: {diagnosed()}"
