@@ -17,6 +17,7 @@ from kvbridge.core.descriptors import Descriptors, worker_descriptors
 from kvbridge.core.errors import TransferError, TransferTimeout
 from kvbridge.core.memory import Region, WorkerMemory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.transport import nixl_descriptors
 from kvbridge.transport.backoff import Backoff
 from kvbridge.transport.nixl import FLUSH_BYTES, NixlTransport
 from kvbridge.transport.nixl_config import TransportConfig, apply_ucx_env
@@ -180,6 +181,26 @@ def test_descriptor_arrays_take_device_id_from_the_region_not_a_rank():
 def test_descriptor_arrays_refuse_bytes_outside_their_region(d, match):
     with pytest.raises(TransferError, match=match):
         descriptor_arrays(d, (Region(0x1000, 0x1000),), (Region(0x20000, 0x1000),))
+
+
+def test_region_tables_are_kept_per_tuple_and_never_go_stale():
+    """Each sequence of regions' bounds are kept by its identity (a worker's regions are one tuple for life); a tuple
+    with other bounds, or a list changed in place, is checked against its own bounds (a stale table would let the
+    descriptor below pass)."""
+    d = _descs([0x20000], [0x1800], [0x10], [0], [0])
+    remote = (Region(0x20000, 0x1000),)
+    local = (Region(0x1000, 0x1000),)
+    descriptor_arrays(d, local, remote)
+    assert nixl_descriptors._region_table(local) is nixl_descriptors._region_table(local)
+    with pytest.raises(TransferError, match=r"local descriptor 0 .* outside"):
+        descriptor_arrays(d, (Region(0x1000, 0x100),), remote)
+    listed = [Region(0x1000, 0x1000)]
+    nixl_descriptors.side_array("local", d.dst_addr, d.length, d.dst_region, listed)
+    listed[0] = Region(0x1000, 0x100)
+    with pytest.raises(TransferError, match=r"local descriptor 0 .* outside"):
+        nixl_descriptors.side_array("local", d.dst_addr, d.length, d.dst_region, listed)
+    with pytest.raises(ValueError):  # shared between READs: never written
+        nixl_descriptors._region_table(local)[0][0] = 0
 
 
 def test_backoff_doubles_to_its_cap_and_resets():

@@ -7,6 +7,8 @@ hybrid model's KV cache (the i-th layer of every group shares the i-th tensor of
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -27,6 +29,7 @@ from kvbridge.core.leases import LeaseBook, blocks_digest, groups_digest
 from kvbridge.core.memory import Region, WorkerMemory, layer_from_strides
 from kvbridge.core.plan import make_plan
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
+from kvbridge.runtime.peers import Engine, Peer
 
 
 def brute_skipped(num_tokens: int, window: int, block: int) -> int:
@@ -296,3 +299,34 @@ def test_every_layer_gets_the_blocks_of_its_group_lists_under_any_pp_split(pp, l
     assert wrong_layers(lists) == []
     if set(lists[0]) != set(lists[1]):
         assert wrong_layers(lists[::-1]), lists  # each group's pairs applied to the other group's layers
+
+
+def test_segments_kept_per_engine_give_the_descriptors_made_afresh():
+    """A decode worker keeps each group's segments on its `Engine` (made once) and hands them to
+    `group_descriptors`: the descriptors are those made from scratch, for every group's lists, and a second request
+    reuses the same segments. Negative control: another group's segments give other descriptors."""
+    group_of = {n: n % 2 for n in range(6)}
+    geometry = KVGeometry(6, HEADS, HEAD, "float32", BLOCK)
+    prefill = ParallelLayout(pp=2)
+    plan = make_plan(prefill, ParallelLayout(pp=1), geometry)
+    stage = {r: list(prefill.stage_layers(6, r.pp)) for r in prefill.workers()}
+    sources = {r: hybrid_memory(stage[r], group_of, 12, (1 + r.pp) << 20, alias=False) for r in stage}
+    dst = hybrid_memory(list(range(6)), group_of, 12, 1 << 28, alias=False)
+    peers = {r: Peer(f"agent-{r.pp}", m, "epoch") for r, m in sources.items()}
+    engine = Engine(("p", "127.0.0.1", 1, 0), prefill, peers, plan)
+    reader = WorkerRank(0, 0)
+    src_ids, dst_ids = pair_lists([([1, 2], [9, 10]), ([3, 4, 5], [6, 7, 8])])
+
+    kept = [engine.segments(reader, dst, g) for g in range(2)]
+    assert engine.segments(reader, dst, 0) is kept[0] and engine.segments(reader, dst, 1) is kept[1]
+    afresh = group_descriptors(plan, reader, dst, sources, src_ids, dst_ids)
+    reused = group_descriptors(plan, reader, dst, sources, src_ids, dst_ids, group_segments=kept)
+    assert afresh.keys() == reused.keys()
+    for rank, d in afresh.items():
+        assert rows(d) == rows(reused[rank]), rank
+    swapped = group_descriptors(plan, reader, dst, sources, src_ids, dst_ids, group_segments=kept[::-1])
+    assert any(rows(d) != rows(swapped[rank]) for rank, d in afresh.items())
+
+
+def rows(d) -> list[tuple[int, ...]]:
+    return list(zip(*(getattr(d, f.name).tolist() for f in dataclasses.fields(d)), strict=True))

@@ -140,11 +140,14 @@ def group_descriptors(
     src_groups: Sequence[Sequence[int] | np.ndarray],
     dst_groups: Sequence[Sequence[int] | np.ndarray],
     coalesce: bool = True,
+    group_segments: Sequence[dict[WorkerRank, Segments]] | None = None,
 ) -> dict[WorkerRank, Descriptors]:
     """Every descriptor one decode worker posts for one request, grouped by the prefill worker it reads (plan
     order): per KV-cache group g, the segments of g's layers times the pairs (`src_groups[g][i]`,
     `dst_groups[g][i]`). A block id is only ever paired with its own group's layers (`core.groups`).
-    RequestParamsError unless there is one list per group of `dst` on each side."""
+    RequestParamsError unless there is one list per group of `dst` on each side. `group_segments[g]`:
+    `worker_segments` of group g (made with group None for an engine of one group), where the caller keeps them
+    from one request to the next; made here if not given."""
     groups = dst.num_groups
     if len(src_groups) != groups or len(dst_groups) != groups:
         raise RequestParamsError(
@@ -152,7 +155,10 @@ def group_descriptors(
         )
     parts: dict[WorkerRank, list[Descriptors]] = {}
     for group, (s, d) in enumerate(zip(src_groups, dst_groups, strict=True)):
-        segments_of = worker_segments(plan, decode_worker, dst, sources, group=group if groups > 1 else None)
+        if group_segments is not None:
+            segments_of = group_segments[group]
+        else:
+            segments_of = worker_segments(plan, decode_worker, dst, sources, group=group if groups > 1 else None)
         for pw, segments in segments_of.items():  # every peer read, in plan order (the same for every group)
             s_blocks, d_blocks = block_lists(s, d, sources[pw], dst)
             parts.setdefault(pw, []).append(expand(segments, s_blocks, d_blocks))

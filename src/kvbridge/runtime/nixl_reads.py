@@ -32,7 +32,7 @@ from kvbridge.core.descriptors import (
 from kvbridge.core.errors import IncompatiblePeerError, KVBridgeError, RequestParamsError, TransferError
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import WorkerMemory
-from kvbridge.core.segments import Segments, worker_segments
+from kvbridge.core.segments import Segments
 from kvbridge.core.token_runs import worker_token_descriptors
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.emulation import EmulationJudge
@@ -51,6 +51,8 @@ from kvbridge.transport.nixl_prepared import PreparedLists
 from kvbridge.wire import messages as wire
 
 logger = logging.getLogger(__name__)
+
+_NO_SEGMENTS = Segments.concat([])  # a prefill worker this worker does not read
 
 CLOSE_FLUSH_S = 5.0
 """At close, how long flush READs (see `NixlReads.forget`) are waited for before the agent goes anyway."""
@@ -95,8 +97,7 @@ class NixlReads(ReadFences):
         self.reader = reader  # the transport and its lock (_active, _draining, ... are under it too)
         self._active: list[Load] = []  # READs posted
         self._draining: list[Load] = []  # READs done or failed whose release NIXL has not accepted yet
-        # With prepared lists: per prefill agent, its segments and its prepared lists (None: NIXL refused them).
-        self._segments: dict[str, Segments] = {}
+        # With prepared lists: per prefill agent, its prepared lists (None: NIXL refused them).
         self._prepared: dict[str, PreparedLists | None] = {}
         self.emulation = EmulationJudge(identity, mem_type, reader.transport)
         # Agents that may still have answers queued for us (a READ of theirs released unfinished), and those being
@@ -317,9 +318,12 @@ class NixlReads(ReadFences):
         if not job.num_blocks:
             return {}
         sources = {rank: peer.memory for rank, peer in engine.peers.items()}
-        if self.memory.num_groups > 1 or (job.span is None and not self.transport.config.prepared_lists):
+        groups = self.memory.num_groups
+        if groups > 1 or (job.span is None and not self.transport.config.prepared_lists):
+            rank = self.identity.rank
+            segments = [engine.segments(rank, self.memory, g if groups > 1 else None) for g in range(groups)]
             descs = group_descriptors(
-                engine.plan, self.identity.rank, self.memory, sources, job.remote_blocks, job.local_blocks
+                engine.plan, rank, self.memory, sources, job.remote_blocks, job.local_blocks, group_segments=segments
             )
             return {rank: d for rank, d in descs.items() if len(d)}
         remote, local = job.one_group()  # token spans and prepared lists: one group
@@ -337,7 +341,7 @@ class NixlReads(ReadFences):
             )
             return {rank: d for rank, d in descs.items() if len(d)}
         out: dict = {}
-        for rank, segments in self._peer_segments(engine, sources).items():
+        for rank, segments in self._peer_segments(engine).items():
             if not len(segments):
                 continue
             peer = engine.peers[rank]
@@ -363,8 +367,7 @@ class NixlReads(ReadFences):
         remote, local = load.job.one_group()  # staging is made for one-group engines only
         src_blocks = np.asarray(remote, dtype=np.int64)
         dst_blocks = np.asarray(local, dtype=np.int64)
-        sources = {rank: peer.memory for rank, peer in engine.peers.items()}
-        segments = self._peer_segments(engine, sources)
+        segments = self._peer_segments(engine)
         parts = []
         for rank, d in descs.items():
             peer = engine.peers[rank]
@@ -375,14 +378,10 @@ class NixlReads(ReadFences):
                 parts.append(part)
         return parts
 
-    def _peer_segments(self, engine: Engine, sources: dict[WorkerRank, WorkerMemory]) -> dict[WorkerRank, Segments]:
-        """Each prefill worker's segments (empty: not read), computed once per agent."""
-        agents = {rank: peer.agent for rank, peer in engine.peers.items()}
-        if not all(agent in self._segments for agent in agents.values()):
-            segments = worker_segments(engine.plan, self.identity.rank, self.memory, sources)
-            for rank, agent in agents.items():
-                self._segments[agent] = segments.get(rank, Segments.concat([]))
-        return {rank: self._segments[agent] for rank, agent in agents.items()}
+    def _peer_segments(self, engine: Engine) -> dict[WorkerRank, Segments]:
+        """Each prefill worker's segments (empty: not read) of a one-group engine (made once per engine)."""
+        segments = engine.segments(self.identity.rank, self.memory)
+        return {rank: segments.get(rank, _NO_SEGMENTS) for rank in engine.peers}
 
     def _prepared_lists(self, agent: str, segments: Segments, memory: WorkerMemory) -> PreparedLists | None:
         """The agent's prepared lists, made on first use; None (for good) if NIXL or the table's size refuses."""

@@ -29,6 +29,7 @@ from kvbridge.core.errors import IncompatiblePeerError, ParamsRefused, TransferE
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import IpcHandle, Region, WorkerMemory
 from kvbridge.core.plan import TransferPlan, make_plan
+from kvbridge.core.segments import Segments, worker_segments
 from kvbridge.core.topology import ParallelLayout, WorkerRank
 from kvbridge.runtime.host import host_id, process_gone, process_start
 from kvbridge.wire import messages as wire
@@ -85,10 +86,24 @@ class Engine:
     inflight: int = 0
     stale: bool = False
     used: float = field(default_factory=time.monotonic)
+    _segments: dict[int | None, dict[WorkerRank, Segments]] = field(default_factory=dict, repr=False)
 
     @property
     def same_host(self) -> bool:
         return all(p.same_host for p in self.peers.values())
+
+    def segments(
+        self, reader: WorkerRank, memory: WorkerMemory, group: int | None = None
+    ) -> dict[WorkerRank, Segments]:
+        """What the decode worker `reader` (its KV in `memory`) copies from each prefill worker it reads, for one
+        KV-cache group (None: an engine of one group): `worker_segments`, made on first use. An engine belongs to
+        one decode worker, and its plan and its workers' memory stay as they are until it is dropped (a restarted
+        engine is another `Engine`), so nothing here goes stale. Not cached: an IncompatiblePeerError."""
+        got = self._segments.get(group)
+        if got is None:
+            sources = {rank: peer.memory for rank, peer in self.peers.items()}
+            got = self._segments[group] = worker_segments(self.plan, reader, memory, sources, group=group)
+        return got
 
 
 class PeerBook:

@@ -89,7 +89,6 @@ class ReadFences:
             return  # kept until the renewal drops it: a fence waits on it, and removing it would not stop its READs
         if self.liveness is not None:
             self.liveness.forget(name)
-        self._segments.pop(name, None)
         self._prepared.pop(name, None)
         with contextlib.suppress(KVBridgeError):
             self.transport.remove_peer(name)  # releases its prepared lists too
@@ -196,9 +195,8 @@ class ReadFences:
         """Nothing else in flight: destroy the agent, report the loads it fenced, start another without the silent
         agents, then post the loads that waited."""
         stale, self._renewal = (self._renewal or set()) | set(self._flushing), None  # reaped ones mid-flush too
-        for agent in stale:
-            self._segments.pop(agent, None)
-            if self.liveness is not None:
+        if self.liveness is not None:
+            for agent in stale:
                 self.liveness.forget(agent)
         self._prepared.clear()  # prepared lists belong to the old agent
         self._flushing.clear()  # what it had queued can land nowhere now

@@ -37,7 +37,7 @@ from kvbridge.core.descriptors import block_lists
 from kvbridge.core.errors import HostUnreachable, KVBridgeError, RequestParamsError, TransferError, TransferTimeout
 from kvbridge.core.identity import WorkerIdentity
 from kvbridge.core.memory import WorkerMemory
-from kvbridge.core.segments import Segments, worker_segments
+from kvbridge.core.segments import Segments
 from kvbridge.core.staging import StageLayout
 from kvbridge.core.topology import WorkerRank
 from kvbridge.runtime.load import Load
@@ -131,7 +131,6 @@ class StreamReads:
         self._views = host_copy.HostViews(memory.regions)
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[tuple[StreamConnection, float]]] = {}
-        self._segments: dict[tuple, dict[WorkerRank, Segments]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.bytes = 0  # totals, for tests and benches
         self.parts = 0
@@ -214,7 +213,7 @@ class StreamReads:
         # this prefill worker holds some of its layers.
         found: dict[WorkerRank, list[tuple[Segments | None, np.ndarray, np.ndarray]]] = {}
         for g in range(groups):
-            for rank, segments in self._segments_of(engine, g, sources).items():
+            for rank, segments in self._segments_of(engine, g).items():
                 s_blocks, d_blocks = block_lists(job.remote_blocks[g], job.local_blocks[g], sources[rank], self.memory)
                 found.setdefault(rank, [(None, _EMPTY, _EMPTY)] * groups)[g] = (segments, s_blocks, d_blocks)
         by_rank: dict[WorkerRank, tuple[int, list[_Group]]] = {}
@@ -248,23 +247,8 @@ class StreamReads:
             parts.append(_Part(rank, (source.remote_host, peer.stream_port), got, request))
         return parts
 
-    def _segments_of(self, engine: Engine, group: int, sources) -> dict[WorkerRank, Segments]:
-        key = (engine.key, tuple(p.agent for p in engine.peers.values()), group)
-        with self._lock:
-            got = self._segments.get(key)
-        if got is None:
-            got = worker_segments(
-                engine.plan,
-                self.identity.rank,
-                self.memory,
-                sources,
-                group=group if self.memory.num_groups > 1 else None,
-            )
-            with self._lock:
-                if len(self._segments) >= 4 * self.config.max_cached_engines:
-                    self._segments.pop(next(iter(self._segments)))
-                self._segments[key] = got
-        return got
+    def _segments_of(self, engine: Engine, group: int) -> dict[WorkerRank, Segments]:
+        return engine.segments(self.identity.rank, self.memory, group if self.memory.num_groups > 1 else None)
 
     def _run(self, tracker: _Tracker, part: _Part, first: int, step: int) -> None:
         error = ""

@@ -357,8 +357,8 @@ class NixlTransport(PreparedListsMixin):
 
     def _mem_type_of(self, regions: Sequence[Region], used: np.ndarray) -> MemType:
         types = set()
-        for i in np.unique(used):
-            r = regions[int(i)]
+        for i in set(used.tolist()):  # a few regions among many descriptors (np.unique costs more)
+            r = regions[i]
             mem = self._registered.get((r.addr, r.nbytes, r.device_id))
             if mem is None:
                 raise TransferError(f"local region {r} is not registered with {self.name!r}")

@@ -40,10 +40,26 @@ def regions_of(memory: WorkerMemory | Sequence[Region]) -> tuple[Region, ...]:
     return memory.regions if isinstance(memory, WorkerMemory) else tuple(memory)
 
 
+_TABLES: dict[int, tuple[Sequence[Region], tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+"""Region tables by the identity of their regions' tuple (a worker's `WorkerMemory.regions`, the same object for
+every READ), each kept with that tuple so that its id cannot be reused while it is here."""
+_MAX_TABLES = 64
+
+
 def _region_table(regions: Sequence[Region]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, device id) of each region, as read-only int64 arrays; made once per sequence of regions."""
+    hit = _TABLES.get(id(regions))
+    if hit is not None and hit[0] is regions:
+        return hit[1]
     addr = np.array([r.addr for r in regions], dtype=np.int64)
     end = addr + np.array([r.nbytes for r in regions], dtype=np.int64)
     dev = np.array([r.device_id for r in regions], dtype=np.int64)
+    for a in (addr, end, dev):
+        a.flags.writeable = False
+    if isinstance(regions, tuple):  # immutable: its table cannot go stale
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        _TABLES[id(regions)] = (regions, (addr, end, dev))
     return addr, end, dev
 
 
