@@ -7,7 +7,9 @@ path, in every kvbridge process started with `KVB_PROF_DIR` set and this folder 
 
 Each wrapped function is timed per call and per thread (about 1 us of overhead per call); a decode worker writes
 its calls to `prof-decode-<pid>.json` in `KVB_PROF_DIR` when it closes. Wall time close to CPU time means the thread
-ran all along (no lock or GIL wait, no sleep). Nothing happens without `KVB_PROF_DIR`.
+ran all along (no lock or GIL wait, no sleep). Nothing happens without `KVB_PROF_DIR`. To profile another tree
+(`git archive` of a commit), put that tree's `src` on `PYTHONPATH` right after this folder: the wrapping imports
+kvbridge as the interpreter starts, before the bench puts its own tree first.
 """
 
 import os
@@ -80,6 +82,16 @@ if os.environ.get("KVB_PROF_DIR"):
         _wrap(read_budget.ReadBudget, "begin", "ReadBudget.begin")
         _wrap(notifier.Notifier, "tell", "Notifier.tell")
         _wrap(notifier.Notifier, "notify_message", "Notifier.notify_message")
+        # the NIXL path: a load's descriptors, and each READ's arrays, checks and post
+        from kvbridge.runtime import nixl_reads
+        from kvbridge.transport import nixl
+
+        for name in ("post", "_descriptors"):
+            _wrap(nixl_reads.NixlReads, name, "NixlReads." + name)
+        _wrap(nixl_reads, "group_descriptors", "group_descriptors")
+        for name in ("read", "_post", "_mem_type_of"):
+            _wrap(nixl.NixlTransport, name, "NixlTransport." + name)
+        _wrap(nixl, "descriptor_arrays", "descriptor_arrays")
         close = worker.close
 
         def close_and_dump(self):
