@@ -15,7 +15,7 @@ import pytest
 
 from kvbridge.core.descriptors import Descriptors, worker_descriptors
 from kvbridge.core.errors import TransferError, TransferTimeout
-from kvbridge.core.memory import Region, WorkerMemory
+from kvbridge.core.memory import Region, WorkerMemory, region_table, synthesize_memory
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.transport import nixl_descriptors
 from kvbridge.transport.backoff import Backoff
@@ -183,24 +183,35 @@ def test_descriptor_arrays_refuse_bytes_outside_their_region(d, match):
         descriptor_arrays(d, (Region(0x1000, 0x1000),), (Region(0x20000, 0x1000),))
 
 
-def test_region_tables_are_kept_per_tuple_and_never_go_stale():
-    """Each sequence of regions' bounds are kept by its identity (a worker's regions are one tuple for life); a tuple
-    with other bounds, or a list changed in place, is checked against its own bounds (a stale table would let the
-    descriptor below pass)."""
-    d = _descs([0x20000], [0x1800], [0x10], [0], [0])
+def test_a_workers_region_table_is_made_once_and_bare_regions_are_checked_afresh():
+    """A worker's memory keeps its regions' bounds (one table for life, read-only, the same arrays as made afresh);
+    bare regions are checked against their bounds at every READ: a list changed in place, or a new tuple where a
+    dropped one was (its id comes back at once in CPython), never meets an older table's bounds."""
+    memory = synthesize_memory("LBHNC", KVGeometry(2, 2, 8, "float16", 4), [0, 1], 2, 8, 1 << 20)
+    assert memory.region_table is memory.region_table
+    assert all((a == b).all() for a, b in zip(memory.region_table, region_table(memory.regions), strict=True))
+    with pytest.raises(ValueError):  # shared by every READ: never written
+        memory.region_table[1][0] = 0
+    base = memory.regions[0].addr
+    d = _descs([0x20000], [base + 0x10], [0x10], [0], [0])
     remote = (Region(0x20000, 0x1000),)
-    local = (Region(0x1000, 0x1000),)
-    descriptor_arrays(d, local, remote)
-    assert nixl_descriptors._region_table(local) is nixl_descriptors._region_table(local)
-    with pytest.raises(TransferError, match=r"local descriptor 0 .* outside"):
-        descriptor_arrays(d, (Region(0x1000, 0x100),), remote)
+    assert [a.tolist() for a in descriptor_arrays(d, memory, remote)] == [
+        a.tolist() for a in descriptor_arrays(d, memory.regions, remote)
+    ]
+    for _ in range(50):
+        wide = (Region(0x100, 0x100), Region(0x1000, 0x1000))
+        descriptor_arrays(_descs([0x20000], [0x1800], [0x10], [0], [1]), wide, remote)
+        del wide
+        with pytest.raises(TransferError, match=r"local descriptor 0 .* outside"):
+            descriptor_arrays(
+                _descs([0x20000], [0x1800], [0x10], [0], [1]), (Region(0x100, 0x100), Region(0x1000, 0x100)), remote
+            )
     listed = [Region(0x1000, 0x1000)]
+    d = _descs([0x20000], [0x1800], [0x10], [0], [0])
     nixl_descriptors.side_array("local", d.dst_addr, d.length, d.dst_region, listed)
     listed[0] = Region(0x1000, 0x100)
     with pytest.raises(TransferError, match=r"local descriptor 0 .* outside"):
         nixl_descriptors.side_array("local", d.dst_addr, d.length, d.dst_region, listed)
-    with pytest.raises(ValueError):  # shared between READs: never written
-        nixl_descriptors._region_table(local)[0][0] = 0
 
 
 def test_backoff_doubles_to_its_cap_and_resets():

@@ -304,28 +304,40 @@ def test_every_layer_gets_the_blocks_of_its_group_lists_under_any_pp_split(pp, l
 def test_segments_kept_per_engine_give_the_descriptors_made_afresh():
     """A decode worker keeps each group's segments on its `Engine` (made once) and hands them to
     `group_descriptors`: the descriptors are those made from scratch, for every group's lists, and a second request
-    reuses the same segments. Negative control: another group's segments give other descriptors."""
+    reuses the same segments. Another memory, or a new `Engine` of the same name and agents (a restarted prefill
+    engine whose memory moved), gets its own. Negative control: another group's segments give other descriptors."""
     group_of = {n: n % 2 for n in range(6)}
     geometry = KVGeometry(6, HEADS, HEAD, "float32", BLOCK)
     prefill = ParallelLayout(pp=2)
     plan = make_plan(prefill, ParallelLayout(pp=1), geometry)
     stage = {r: list(prefill.stage_layers(6, r.pp)) for r in prefill.workers()}
-    sources = {r: hybrid_memory(stage[r], group_of, 12, (1 + r.pp) << 20, alias=False) for r in stage}
+
+    def engine_at(base: int) -> tuple[Engine, dict]:
+        sources = {r: hybrid_memory(stage[r], group_of, 12, base + (r.pp << 20), alias=False) for r in stage}
+        peers = {r: Peer(f"agent-{r.pp}", m, "epoch") for r, m in sources.items()}
+        return Engine(("p", "127.0.0.1", 1, 0), prefill, peers, plan), sources
+
+    engine, sources = engine_at(1 << 20)
     dst = hybrid_memory(list(range(6)), group_of, 12, 1 << 28, alias=False)
-    peers = {r: Peer(f"agent-{r.pp}", m, "epoch") for r, m in sources.items()}
-    engine = Engine(("p", "127.0.0.1", 1, 0), prefill, peers, plan)
     reader = WorkerRank(0, 0)
     src_ids, dst_ids = pair_lists([([1, 2], [9, 10]), ([3, 4, 5], [6, 7, 8])])
 
     kept = [engine.segments(reader, dst, g) for g in range(2)]
     assert engine.segments(reader, dst, 0) is kept[0] and engine.segments(reader, dst, 1) is kept[1]
     afresh = group_descriptors(plan, reader, dst, sources, src_ids, dst_ids)
-    reused = group_descriptors(plan, reader, dst, sources, src_ids, dst_ids, group_segments=kept)
+    reused = group_descriptors(
+        plan, reader, dst, sources, src_ids, dst_ids, group_segments=lambda g: engine.segments(reader, dst, g)
+    )
     assert afresh.keys() == reused.keys()
     for rank, d in afresh.items():
         assert rows(d) == rows(reused[rank]), rank
-    swapped = group_descriptors(plan, reader, dst, sources, src_ids, dst_ids, group_segments=kept[::-1])
+    swapped = group_descriptors(plan, reader, dst, sources, src_ids, dst_ids, group_segments=lambda g: kept[1 - g])
     assert any(rows(d) != rows(swapped[rank]) for rank, d in afresh.items())
+
+    other_dst = hybrid_memory(list(range(6)), group_of, 12, 1 << 29, alias=False)
+    assert rows(engine.segments(reader, other_dst, 0)[WorkerRank(0, 0)]) != rows(kept[0][WorkerRank(0, 0)])
+    restarted, _ = engine_at(1 << 24)
+    assert rows(restarted.segments(reader, dst, 0)[WorkerRank(0, 0)]) != rows(kept[0][WorkerRank(0, 0)])
 
 
 def rows(d) -> list[tuple[int, ...]]:

@@ -9,7 +9,7 @@ layers that lie back to back, cost one descriptor: each NIXL descriptor costs ab
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,14 +140,14 @@ def group_descriptors(
     src_groups: Sequence[Sequence[int] | np.ndarray],
     dst_groups: Sequence[Sequence[int] | np.ndarray],
     coalesce: bool = True,
-    group_segments: Sequence[dict[WorkerRank, Segments]] | None = None,
+    group_segments: Callable[[int | None], dict[WorkerRank, Segments]] | None = None,
 ) -> dict[WorkerRank, Descriptors]:
     """Every descriptor one decode worker posts for one request, grouped by the prefill worker it reads (plan
     order): per KV-cache group g, the segments of g's layers times the pairs (`src_groups[g][i]`,
     `dst_groups[g][i]`). A block id is only ever paired with its own group's layers (`core.groups`).
-    RequestParamsError unless there is one list per group of `dst` on each side. `group_segments[g]`:
-    `worker_segments` of group g (made with group None for an engine of one group), where the caller keeps them
-    from one request to the next; made here if not given."""
+    RequestParamsError unless there is one list per group of `dst` on each side. `group_segments(g)`:
+    `worker_segments` of group g (asked with None for an engine of one group), where the caller keeps them from
+    one request to the next; made here if not given."""
     groups = dst.num_groups
     if len(src_groups) != groups or len(dst_groups) != groups:
         raise RequestParamsError(
@@ -155,10 +155,11 @@ def group_descriptors(
         )
     parts: dict[WorkerRank, list[Descriptors]] = {}
     for group, (s, d) in enumerate(zip(src_groups, dst_groups, strict=True)):
+        key = group if groups > 1 else None
         if group_segments is not None:
-            segments_of = group_segments[group]
+            segments_of = group_segments(key)
         else:
-            segments_of = worker_segments(plan, decode_worker, dst, sources, group=group if groups > 1 else None)
+            segments_of = worker_segments(plan, decode_worker, dst, sources, group=key)
         for pw, segments in segments_of.items():  # every peer read, in plan order (the same for every group)
             s_blocks, d_blocks = block_lists(s, d, sources[pw], dst)
             parts.setdefault(pw, []).append(expand(segments, s_blocks, d_blocks))

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from kvbridge.core.errors import LayoutError
 from kvbridge.core.topology import KVGeometry
 
@@ -153,6 +155,21 @@ class WorkerMemory:
     @cached_property  # checked on every request
     def num_blocks(self) -> int:
         return min(lk.num_blocks for lk in self.layers)
+
+    @cached_property  # every READ's descriptors are checked against it
+    def region_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, end, device id) of each region, as read-only int64 arrays (`region_table`)."""
+        return region_table(self.regions)
+
+
+def region_table(regions: Sequence[Region]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, device id) of each region, as read-only int64 arrays."""
+    start = np.array([r.addr for r in regions], dtype=np.int64)
+    end = start + np.array([r.nbytes for r in regions], dtype=np.int64)
+    dev = np.array([r.device_id for r in regions], dtype=np.int64)
+    for a in (start, end, dev):
+        a.flags.writeable = False
+    return start, end, dev
 
 
 def layer_from_strides(

@@ -320,10 +320,15 @@ class NixlReads(ReadFences):
         sources = {rank: peer.memory for rank, peer in engine.peers.items()}
         groups = self.memory.num_groups
         if groups > 1 or (job.span is None and not self.transport.config.prepared_lists):
-            rank = self.identity.rank
-            segments = [engine.segments(rank, self.memory, g if groups > 1 else None) for g in range(groups)]
+            reader = self.identity.rank
             descs = group_descriptors(
-                engine.plan, rank, self.memory, sources, job.remote_blocks, job.local_blocks, group_segments=segments
+                engine.plan,
+                reader,
+                self.memory,
+                sources,
+                job.remote_blocks,
+                job.local_blocks,
+                group_segments=lambda group: engine.segments(reader, self.memory, group),
             )
             return {rank: d for rank, d in descs.items() if len(d)}
         remote, local = job.one_group()  # token spans and prepared lists: one group

@@ -86,7 +86,10 @@ class Engine:
     inflight: int = 0
     stale: bool = False
     used: float = field(default_factory=time.monotonic)
-    _segments: dict[int | None, dict[WorkerRank, Segments]] = field(default_factory=dict, repr=False)
+    # worker_segments per (decode worker, KV-cache group), with the memory they were made for
+    _segments: dict[tuple[WorkerRank, int | None], tuple[WorkerMemory, dict[WorkerRank, Segments]]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     @property
     def same_host(self) -> bool:
@@ -96,13 +99,16 @@ class Engine:
         self, reader: WorkerRank, memory: WorkerMemory, group: int | None = None
     ) -> dict[WorkerRank, Segments]:
         """What the decode worker `reader` (its KV in `memory`) copies from each prefill worker it reads, for one
-        KV-cache group (None: an engine of one group): `worker_segments`, made on first use. An engine belongs to
-        one decode worker, and its plan and its workers' memory stay as they are until it is dropped (a restarted
-        engine is another `Engine`), so nothing here goes stale. Not cached: an IncompatiblePeerError."""
-        got = self._segments.get(group)
-        if got is None:
-            sources = {rank: peer.memory for rank, peer in self.peers.items()}
-            got = self._segments[group] = worker_segments(self.plan, reader, memory, sources, group=group)
+        KV-cache group (None: an engine of one group): `worker_segments`, made on first use. The engine's plan and
+        its workers' memory stay as they are until it is dropped (a restarted engine is another `Engine`), so
+        nothing here goes stale; other memory for the same reader is never served from here. Not kept: an
+        IncompatiblePeerError. Two threads at once may both make them (the same value)."""
+        kept = self._segments.get((reader, group))
+        if kept is not None and kept[0] is memory:
+            return kept[1]
+        sources = {rank: peer.memory for rank, peer in self.peers.items()}
+        got = worker_segments(self.plan, reader, memory, sources, group=group)
+        self._segments[reader, group] = (memory, got)
         return got
 
 

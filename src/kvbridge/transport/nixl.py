@@ -283,7 +283,7 @@ class NixlTransport(PreparedListsMixin):
         TransferError if NIXL refuses the transfer; a dead peer is usually detected here.
         """
         agent = self._peer_agent(peer)
-        local_regions, remote_regions = regions_of(local), regions_of(remote)
+        local_regions = regions_of(local)
         transfer = Transfer(peer, descriptors.nbytes, len(descriptors), notification, time.monotonic())
         if len(descriptors) == 0:
             try:
@@ -292,7 +292,7 @@ class NixlTransport(PreparedListsMixin):
                 raise nixl_error(f"notifying {peer!r}", exc) from exc
             transfer.state = "DONE"
             return transfer
-        local_arr, remote_arr = descriptor_arrays(descriptors, local_regions, remote_regions)
+        local_arr, remote_arr = descriptor_arrays(descriptors, local, remote)
         mem_type = self._mem_type_of(local_regions, descriptors.dst_region)
         try:
             xfer = agent.initialize_xfer(
@@ -357,8 +357,11 @@ class NixlTransport(PreparedListsMixin):
 
     def _mem_type_of(self, regions: Sequence[Region], used: np.ndarray) -> MemType:
         types = set()
-        for i in set(used.tolist()):  # a few regions among many descriptors (np.unique costs more)
-            r = regions[i]
+        # The regions used (ids checked in range by descriptor_arrays): a set of a few hundred ids costs least; for
+        # more, a count per region (np.unique costs more at every size)
+        ids = set(used.tolist()) if used.size <= 256 else np.flatnonzero(np.bincount(used, minlength=len(regions)))
+        for i in ids:
+            r = regions[int(i)]
             mem = self._registered.get((r.addr, r.nbytes, r.device_id))
             if mem is None:
                 raise TransferError(f"local region {r} is not registered with {self.name!r}")

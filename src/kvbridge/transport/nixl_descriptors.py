@@ -13,7 +13,7 @@ import numpy as np
 
 from kvbridge.core.descriptors import Descriptors
 from kvbridge.core.errors import TransferError
-from kvbridge.core.memory import Region, WorkerMemory
+from kvbridge.core.memory import Region, WorkerMemory, region_table
 
 MemType = Literal["DRAM", "VRAM"]
 
@@ -40,33 +40,15 @@ def regions_of(memory: WorkerMemory | Sequence[Region]) -> tuple[Region, ...]:
     return memory.regions if isinstance(memory, WorkerMemory) else tuple(memory)
 
 
-_TABLES: dict[int, tuple[Sequence[Region], tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-"""Region tables by the identity of their regions' tuple (a worker's `WorkerMemory.regions`, the same object for
-every READ), each kept with that tuple so that its id cannot be reused while it is here."""
-_MAX_TABLES = 64
-
-
-def _region_table(regions: Sequence[Region]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(start, end, device id) of each region, as read-only int64 arrays; made once per sequence of regions."""
-    hit = _TABLES.get(id(regions))
-    if hit is not None and hit[0] is regions:
-        return hit[1]
-    addr = np.array([r.addr for r in regions], dtype=np.int64)
-    end = addr + np.array([r.nbytes for r in regions], dtype=np.int64)
-    dev = np.array([r.device_id for r in regions], dtype=np.int64)
-    for a in (addr, end, dev):
-        a.flags.writeable = False
-    if isinstance(regions, tuple):  # immutable: its table cannot go stale
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.clear()
-        _TABLES[id(regions)] = (regions, (addr, end, dev))
-    return addr, end, dev
-
-
-def side_array(side: str, addrs: np.ndarray, length: np.ndarray, idx: np.ndarray, regions: Sequence[Region]):
+def side_array(
+    side: str, addrs: np.ndarray, length: np.ndarray, idx: np.ndarray, memory: WorkerMemory | Sequence[Region]
+):
+    """NIXL's Nx3 array of one side, each descriptor checked to lie in the region it names (a worker's memory
+    keeps its regions' table; bare regions get one made here)."""
+    regions = regions_of(memory)
     if not regions:
         raise TransferError(f"{side} side has no memory regions")
-    start, end, dev = _region_table(regions)
+    start, end, dev = memory.region_table if isinstance(memory, WorkerMemory) else region_table(regions)
     if idx.size and (idx.min() < 0 or idx.max() >= len(regions)):
         bad = int(idx[(idx < 0) | (idx >= len(regions))][0])
         raise TransferError(f"{side} descriptor names region {bad}, but there are {len(regions)} regions")
@@ -81,7 +63,7 @@ def side_array(side: str, addrs: np.ndarray, length: np.ndarray, idx: np.ndarray
 
 
 def descriptor_arrays(
-    descriptors: Descriptors, local: Sequence[Region], remote: Sequence[Region]
+    descriptors: Descriptors, local: WorkerMemory | Sequence[Region], remote: WorkerMemory | Sequence[Region]
 ) -> tuple[np.ndarray, np.ndarray]:
     """NIXL's Nx3 (addr, len, device id) arrays for a READ: the local (decode) side is `dst`, the remote
     (prefill) side is `src`. Each descriptor's device id is that of the region it points into, never a rank:
