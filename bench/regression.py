@@ -14,7 +14,8 @@ measurement alternates between the two trees, so that both see the same machine 
   `flock /tmp/kvbridge-vllm.lock` on a shared machine.
 - `gpu`: `bench/gpu_workers.py` of each commit's own tree (its runtime, its scenario), the same arguments, rounds
   alternating; per (pair, path, claims) the warm load, the time to posting (job -> READs posted or kernels
-  queued) and the kernels' GPU time.
+  queued) and the kernels' GPU time: each run's fields in seconds as the bench wrote them, the summary's medians
+  in milliseconds (`*_median_ms`; files written before 2026-12-07 name them `*_median_s`).
 
     flock /tmp/kvbridge-vllm.lock .venv/bin/python bench/regression.py cpu --base b59d6e4 --head HEAD
     python3 bench/regression.py gpu --base-tree T/base --head-tree T/head -- --pairs 'pp1->pp1' --paths auto
@@ -314,6 +315,11 @@ def run_cpu(args, sides) -> dict:
 GPU_KEYS = ("warm_median_s", "post_median_s", "gpu_median_s")
 
 
+def _ms(key: str) -> str:
+    """A summary's name for a per-run field in seconds once it holds milliseconds."""
+    return key.removesuffix("_s") + "_ms"
+
+
 def run_gpu(args, sides) -> dict:
     out = Path(args.workdir)
     runs = []
@@ -344,11 +350,12 @@ def run_gpu(args, sides) -> dict:
         both = {}
         for side in ("base", "head"):
             found = [r["scenarios"][key] for r in runs if r["side"] == side and key in r.get("scenarios", {})]
-            both[side] = {k: median(1000 * f[k] for f in found if f.get(k) is not None) for k in GPU_KEYS}
+            # the medians in milliseconds, named so (files before this change kept the `_s` names for them)
+            both[side] = {_ms(k): median(1000 * f[k] for f in found if f.get(k) is not None) for k in GPU_KEYS}
             both[side]["ok"] = [f.get("ok") for f in found]
         summary[key] = {
             **both,
-            "ratio": {k: ratio(both["head"].get(k), both["base"].get(k)) for k in GPU_KEYS},
+            "ratio": {_ms(k): ratio(both["head"].get(_ms(k)), both["base"].get(_ms(k))) for k in GPU_KEYS},
         }
     return {"bench_args": args.bench_args, "summary": summary, "runs": runs}
 
