@@ -15,7 +15,8 @@ measurement alternates between the two trees, so that both see the same machine 
 - `gpu`: `bench/gpu_workers.py` of each commit's own tree (its runtime, its scenario), the same arguments, rounds
   alternating; per (pair, path, claims) the warm load, the time to posting (job -> READs posted or kernels
   queued) and the kernels' GPU time: each run's fields in seconds as the bench wrote them, the summary's medians
-  in milliseconds (`*_median_ms`; files written before 2026-12-07 name them `*_median_s`).
+  in milliseconds (`*_median_ms`; files up to regression-gpu-1a2bed2-9971c0f-20261207-054009.json name them
+  `*_median_s`).
 
     flock /tmp/kvbridge-vllm.lock .venv/bin/python bench/regression.py cpu --base b59d6e4 --head HEAD
     python3 bench/regression.py gpu --base-tree T/base --head-tree T/head -- --pairs 'pp1->pp1' --paths auto

@@ -28,6 +28,7 @@ from kvbridge.core.groups import (
 from kvbridge.core.leases import LeaseBook, blocks_digest, groups_digest
 from kvbridge.core.memory import Region, WorkerMemory, layer_from_strides
 from kvbridge.core.plan import make_plan
+from kvbridge.core.segments import worker_segments
 from kvbridge.core.topology import KVGeometry, ParallelLayout, WorkerRank
 from kvbridge.runtime.peers import Engine, Peer
 
@@ -338,6 +339,45 @@ def test_segments_kept_per_engine_give_the_descriptors_made_afresh():
     assert rows(engine.segments(reader, other_dst, 0)[WorkerRank(0, 0)]) != rows(kept[0][WorkerRank(0, 0)])
     restarted, _ = engine_at(1 << 24)
     assert rows(restarted.segments(reader, dst, 0)[WorkerRank(0, 0)]) != rows(kept[0][WorkerRank(0, 0)])
+
+
+def test_kept_segments_are_each_readers_own_and_asked_only_for_a_well_formed_request():
+    """Two decode workers of a pp2 decode reading one engine (the same memory object here): each gets its own
+    layers' segments, as made afresh. A request with the wrong number of block lists is refused before any segments
+    are asked for, and a one-group engine asks for group None."""
+    group_of = {n: n % 2 for n in range(6)}
+    geometry = KVGeometry(6, HEADS, HEAD, "float32", BLOCK)
+    layout = ParallelLayout(pp=2)
+    plan = make_plan(layout, layout, geometry)
+    stage = {r: list(layout.stage_layers(6, r.pp)) for r in layout.workers()}
+    sources = {r: hybrid_memory(stage[r], group_of, 12, (1 + r.pp) << 20, alias=False) for r in stage}
+    engine = Engine(("p", "127.0.0.1", 1, 0), layout, {r: Peer(f"a{r.pp}", m, "e") for r, m in sources.items()}, plan)
+    dst = hybrid_memory(list(range(6)), group_of, 12, 1 << 28, alias=False)
+    first, second = WorkerRank(0, 0), WorkerRank(1, 0)
+    for reader in (first, second, first):
+        got = engine.segments(reader, dst, 0)
+        fresh = worker_segments(plan, reader, dst, sources, group=0)
+        assert got.keys() == fresh.keys() == {reader}, reader  # each stage reads its own stage's layers
+        assert rows(got[reader]) == rows(fresh[reader])
+
+    def never(group):
+        raise AssertionError(f"segments asked for group {group} of a malformed request")
+
+    with pytest.raises(RequestParamsError, match="3 source and 3 destination block lists for 2"):
+        group_descriptors(plan, first, dst, sources, [[1], [2], [3]], [[1], [2], [3]], group_segments=never)
+    one = {r: hybrid_memory(stage[r], dict.fromkeys(range(6), 0), 12, (1 + r.pp) << 20) for r in stage}
+    one_dst = hybrid_memory(list(range(6)), dict.fromkeys(range(6), 0), 12, 1 << 28)
+    asked = []
+    group_descriptors(
+        plan,
+        first,
+        one_dst,
+        one,
+        [[1]],
+        [[2]],
+        group_segments=lambda g: asked.append(g) or worker_segments(plan, first, one_dst, one, group=g),
+    )
+    assert asked == [None]
 
 
 def rows(d) -> list[tuple[int, ...]]:

@@ -357,9 +357,9 @@ class NixlTransport(PreparedListsMixin):
 
     def _mem_type_of(self, regions: Sequence[Region], used: np.ndarray) -> MemType:
         types = set()
-        # The regions used (ids checked in range by descriptor_arrays): a set of a few hundred ids costs least; for
-        # more, a count per region (np.unique costs more at every size)
-        ids = set(used.tolist()) if used.size <= 256 else np.flatnonzero(np.bincount(used, minlength=len(regions)))
+        # The regions used (ids checked in range by descriptor_arrays): a set of fewer than 128 ids costs least; for
+        # more, a count per region (np.unique costs more at every size: bench/region_check_cost.py)
+        ids = set(used.tolist()) if used.size < 128 else np.flatnonzero(np.bincount(used, minlength=len(regions)))
         for i in ids:
             r = regions[int(i)]
             mem = self._registered.get((r.addr, r.nbytes, r.device_id))
